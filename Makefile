@@ -1,0 +1,30 @@
+# treespec: `make demo` runs tree-speculative generation on the embedded Gemma-3-270M;
+# `make test` runs the test suite. Both set up .venv first (torch pinned to a CPU wheel).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= The quick brown fox jumps over the lazy dog. The quick brown fox
+ARGS ?= --max-new-tokens 128
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/treespec generate "$(PROMPT)" $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not gemma"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

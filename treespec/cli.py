@@ -1,0 +1,143 @@
+"""Command line: ``treespec generate "PROMPT"`` on the embedded Gemma-3-270M (or any HF model).
+
+Examples::
+
+    treespec generate "The capital of France is" --max-new-tokens 64
+    treespec generate "def fib(n):" --temperature 0.8 --top-p 0.95 --json
+    treespec generate "Once upon a time" --plain            # plain autoregressive decoding
+    treespec generate "Hello" --draft path/to/small-lm --tree 2,2,1 --law without_replacement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .drafting.base import Drafter
+from .drafting.model import ModelDrafter, StaticTreeShape
+from .drafting.ngram import NgramConfig, NgramDrafter
+from .generate import GenerationConfig, generate
+from .sampling import SamplingConfig
+from .tree import DRAFT_LAWS
+from .verify import VERIFIERS
+
+
+def _branching(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tree takes comma-separated children per depth like 2,2,1; got {text!r}")
+    if not widths or any(w < 1 for w in widths):
+        raise argparse.ArgumentTypeError(f"--tree widths must be positive integers; got {text!r}")
+    return widths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treespec", description="Lossless token-tree speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
+    g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
+    g.add_argument("--draft", default="ngram",
+                   help="'ngram' (prompt lookup, default), 'none', or a draft causal LM path/id sharing the tokenizer")
+    g.add_argument("--tree", type=_branching, default=None,
+                   help="children per depth for a model draft, e.g. 4 (chain of 4: 1,1,1,1) or 2,2,1; "
+                        "for ngram: depth,branches (default 8,4)")
+    g.add_argument("--law", choices=DRAFT_LAWS, default="iid", help="draft law of a model draft at temperature > 0")
+    g.add_argument("--verifier", choices=["auto", *sorted(VERIFIERS)], default="auto")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bf16 where the CPU computes it natively, else fp32")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--plain", action="store_true", help="plain autoregressive decoding of the target, for comparison")
+    g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
+    g.add_argument("--json", action="store_true", help="print text, token_ids and statistics as JSON")
+    return parser
+
+
+def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
+    if args.plain or args.draft == "none":
+        return None
+    if args.draft == "ngram":
+        if args.tree is None:
+            return NgramDrafter(NgramConfig())
+        if len(args.tree) != 2:
+            raise SystemExit("treespec: for --draft ngram, --tree takes depth,branches (e.g. 8,4)")
+        depth, branches = args.tree
+        return NgramDrafter(NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches))
+    from .models.compat import check_tokenizers, check_vocab_sizes
+    from .models.loading import load_model, load_tokenizer
+
+    check_tokenizers(target_tokenizer, load_tokenizer(args.draft))
+    draft_model = load_model(args.draft, dtype=dtype)
+    check_vocab_sizes(target_model, draft_model)
+    branching = args.tree or (1, 1, 1, 1)
+    if len(branching) == 1:
+        branching = (1,) * branching[0]
+    return ModelDrafter(draft_model, StaticTreeShape(branching, args.law),
+                        target_model.get_output_embeddings().weight.shape[0])
+
+
+def run_generate(args) -> int:
+    from .models.loading import load_model, load_tokenizer, resolve_dtype
+
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                              stop_on_eos=not args.no_stop, verifier=args.verifier)
+    if not args.prompt.strip():
+        raise ValueError("empty prompt: give some text to continue")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = resolve_dtype(args.dtype)
+    tokenizer = load_tokenizer(args.target)
+    target = load_model(args.target, dtype=dtype)
+    drafter = _drafter(args, target, tokenizer, dtype)
+    prompt_ids = tokenizer(args.prompt)["input_ids"]
+    stream = None
+    if not args.json:
+        print(args.prompt, end="", flush=True)
+        shown = {"ids": [], "text": ""}
+
+        def stream(new_ids: list[int]) -> None:
+            shown["ids"].extend(new_ids)
+            text = tokenizer.decode(shown["ids"], skip_special_tokens=True)
+            print(text[len(shown["text"]):], end="", flush=True)
+            shown["text"] = text
+
+    result = generate(target, prompt_ids, drafter, config, tokenizer=tokenizer, callback=stream)
+    summary = result.summary()
+    info = {"method": "plain" if drafter is None else ("ngram" if args.draft == "ngram" else "model-draft"),
+            "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature}
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
+                          "statistics": {**summary, **info,
+                                         "accepted_per_step": [s.accepted for s in result.steps]}}))
+    else:
+        print()
+        print(f"[{info['method']}, {info['dtype']}] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
+              f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
+              f"tau {summary['tau']:.2f}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_grad_enabled(False)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+    except ValueError as err:
+        print(f"treespec: error: {err}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Drafters: model drafts, model-free drafts, and the draft laws children are drawn under."""

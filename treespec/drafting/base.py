@@ -1,0 +1,82 @@
+"""The drafter interface.
+
+A drafter proposes one token tree per step from what it is told about the committed sequence;
+the engine verifies it and tells the drafter what was accepted. Three kinds plug in:
+
+* model drafters (a small causal LM with its own KV cache and tree mask);
+* drafters that read the target's hidden states from the last verify pass (EAGLE / Medusa-style
+  heads): :class:`DraftState` carries them;
+* model-free drafters (n-gram / prompt lookup), which ignore everything but the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sampling import SamplingConfig
+from ..tree import TokenTree
+from ..verify import VerifyResult
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed tree and the draft distribution each node's children were drawn from.
+
+    ``draft_probs`` ``[num_nodes, vocab]`` (row i: q at node i; rows of leaves unused) may be None
+    for laws that verify without q (``"deterministic"``).
+    """
+
+    tree: TokenTree
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """What a drafter may look at when proposing.
+
+    tokens : the committed sequence; its last token is the root of the tree to propose.
+    max_depth : the deepest the tree may go this step (generation ends within it).
+    target_hidden : ``[num_new, H]`` the target's last hidden states at the positions committed by
+        the previous step (root and accepted nodes), or None before the first verification.
+    """
+
+    tokens: list[int]
+    max_depth: int
+    target_hidden: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Protocol every drafter follows."""
+
+    #: draft law of the trees it proposes under the sampling config it was last given
+    def law(self, sampling: SamplingConfig) -> str: ...
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Start a new sequence (reset caches, index the prompt)."""
+
+    def propose(self, state: DraftState, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        """Grow a tree rooted at ``state.tokens[-1]``."""
+
+    def accept(self, result: VerifyResult, emitted: list[int]) -> None:
+        """Learn what the target accepted (``emitted`` = tokens actually appended)."""
+
+
+class NoDrafter:
+    """Proposes the root alone: the engine then decodes one token per target pass (plain decoding)."""
+
+    def law(self, sampling: SamplingConfig) -> str:
+        return "deterministic"
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        return Draft(TokenTree.chain(state.tokens[-1], []))
+
+    def accept(self, result: VerifyResult, emitted: list[int]) -> None:
+        pass

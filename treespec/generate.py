@@ -1,0 +1,202 @@
+"""The generate loop: propose, verify in one pass, accept, commit cache, record stats.
+
+Invariants (tested): after every step the target's KV cache holds exactly the committed sequence
+except its newest token (the root of the next tree), every emitted token follows the target's
+distribution under the sampling config, and at temperature 0 the output equals plain greedy
+decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .drafting.base import Draft, Drafter, DraftState, NoDrafter
+from .models.runner import ModelRunner
+from .sampling import SamplingConfig, logits_to_probs
+from .verify import VERIFIERS, VerifyResult
+
+#: draft law -> the verifier used when none is named (at temperature > 0)
+DEFAULT_VERIFIER = {
+    "iid": "rrs",
+    "without_replacement": "rrs_without_replacement",
+    "deterministic": "deterministic",
+    "greedy_draft": "greedy_draft",
+    "spechub": "spechub",
+}
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """max_new_tokens: exact cap on generated tokens. seed: makes sampling reproducible.
+    stop_on_eos: end generation at the first EOS token (included in the output).
+    verifier: a name in :data:`treespec.verify.VERIFIERS`, or "auto" (greedy at temperature 0,
+    else the verifier matching the drafter's law)."""
+
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int | None = 0
+    stop_on_eos: bool = True
+    verifier: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.verifier != "auto" and self.verifier not in VERIFIERS:
+            raise ValueError(f"unknown verifier {self.verifier!r}; expected 'auto' or one of {sorted(VERIFIERS)}")
+
+
+@dataclass
+class StepStats:
+    tree_nodes: int  # drafted nodes (root excluded)
+    accepted: int  # accepted drafts
+    emitted: int  # tokens appended this step
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    steps: list[StepStats] = field(default_factory=list)
+    wall_s: float = 0.0
+    text: str | None = None
+    stopped_on_eos: bool = False
+
+    @property
+    def target_calls(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward pass (plain decoding: 1.0)."""
+        return len(self.token_ids) / max(len(self.steps), 1)
+
+    def summary(self) -> dict:
+        draft = sum(s.draft_s for s in self.steps)
+        verify = sum(s.verify_s for s in self.steps)
+        other = sum(s.other_s for s in self.steps)
+        return {
+            "new_tokens": len(self.token_ids),
+            "target_calls": self.target_calls,
+            "tau": self.tau,
+            "mean_accepted": sum(s.accepted for s in self.steps) / max(len(self.steps), 1),
+            "mean_tree_nodes": sum(s.tree_nodes for s in self.steps) / max(len(self.steps), 1),
+            "wall_s": self.wall_s,
+            "tokens_per_s": len(self.token_ids) / self.wall_s if self.wall_s > 0 else float("nan"),
+            "draft_s": draft,
+            "verify_s": verify,
+            "other_s": other,
+            "stopped_on_eos": self.stopped_on_eos,
+        }
+
+
+def eos_token_ids(model) -> set[int]:
+    """EOS ids from the model's generation config (falling back to its config)."""
+    ids = None
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        ids = gen.eos_token_id
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return {int(i) for i in ([ids] if isinstance(ids, int) else ids)}
+
+
+def _resolve_verifier(name: str, law: str, sampling: SamplingConfig) -> Callable[..., VerifyResult]:
+    if name == "auto":
+        name = "greedy" if sampling.greedy else DEFAULT_VERIFIER[law]
+    return VERIFIERS[name]
+
+
+@torch.no_grad()
+def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
+             drafter: Drafter | None = None, config: GenerationConfig = GenerationConfig(), *,
+             tokenizer=None, callback: Callable[[list[int]], None] | None = None,
+             eos_ids: set[int] | None = None) -> GenerationResult:
+    """Tree-speculative generation (plain decoding when ``drafter`` is None).
+
+    Parameters
+    ----------
+    target : the target causal LM (or a :class:`ModelRunner` around it).
+    prompt_ids : the prompt's token ids (at least one).
+    drafter : proposes a token tree each step; None decodes one token per target pass.
+    config : generation options.
+    tokenizer : if given, the result carries the decoded text.
+    callback : called with the tokens appended at each step (streaming).
+    eos_ids : EOS token ids (default: the target's generation config).
+    """
+    runner = target if isinstance(target, ModelRunner) else ModelRunner(target)
+    drafter = drafter if drafter is not None else NoDrafter()
+    prompt = [int(t) for t in (prompt_ids.flatten().tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+    if not prompt:
+        raise ValueError("empty prompt: give at least one token (a text prompt must not tokenize to nothing)")
+    if any(t < 0 or t >= runner.vocab_size for t in prompt):
+        raise ValueError(f"prompt has token ids outside the target vocabulary [0, {runner.vocab_size})")
+    if runner.max_positions is not None and len(prompt) + config.max_new_tokens > runner.max_positions:
+        raise ValueError(
+            f"context overflow: prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) "
+            f"exceeds the target's context of {runner.max_positions} tokens"
+        )
+    sampling = config.sampling
+    law = drafter.law(sampling)
+    verify = _resolve_verifier(config.verifier, law, sampling)
+    eos = eos_token_ids(runner.model) if eos_ids is None else set(eos_ids)
+    generator = torch.Generator(device=runner.device)
+    if config.seed is not None:
+        generator.manual_seed(config.seed)
+    else:
+        generator.seed()
+
+    start = time.perf_counter()
+    runner.reset()
+    if len(prompt) > 1:
+        runner.forward(None, None, torch.tensor(prompt[:-1], device=runner.device), need_logits=False)
+    drafter.begin(prompt)
+    seq = list(prompt)
+    result = GenerationResult(prompt, [])
+    target_hidden = None
+    while len(result.token_ids) < config.max_new_tokens:
+        t0 = time.perf_counter()
+        remaining = config.max_new_tokens - len(result.token_ids)
+        # propose
+        draft: Draft = drafter.propose(DraftState(seq, remaining - 1, target_hidden), sampling, generator)
+        tree = draft.tree
+        t1 = time.perf_counter()
+        # verify the whole tree in one target pass
+        nodes = torch.arange(tree.num_nodes, device=runner.device)
+        out = runner.forward(tree, nodes, need_hidden=True)
+        target_probs = logits_to_probs(out["logits"], sampling)  # [num_nodes, V]
+        verdict = verify(tree, target_probs, draft.draft_probs, generator)
+        t2 = time.perf_counter()
+        # accept: cut at EOS and at max_new_tokens
+        emitted = verdict.tokens[:remaining]
+        for i, tok in enumerate(emitted):
+            if tok in eos and config.stop_on_eos:
+                emitted = emitted[: i + 1]
+                result.stopped_on_eos = True
+                break
+        # commit the accepted path to the caches (the newest emitted token stays pending)
+        kept = [0, *verdict.accepted_nodes[: len(emitted) - 1]]
+        runner.commit(kept)
+        drafter.accept(verdict, emitted)
+        target_hidden = out["hidden"][torch.tensor(kept, device=runner.device)]
+        seq.extend(emitted)
+        result.token_ids.extend(emitted)
+        if callback is not None:
+            callback(emitted)
+        t3 = time.perf_counter()
+        result.steps.append(StepStats(tree.num_nodes - 1, verdict.num_accepted, len(emitted),
+                                      t1 - t0, t2 - t1, t3 - t2))
+        if result.stopped_on_eos:
+            break
+    result.wall_s = time.perf_counter() - start
+    if tokenizer is not None:
+        result.text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    return result

@@ -1,0 +1,1 @@
+"""Model loading, tiny test models and the tree-capable KV-cache runner."""

@@ -1,0 +1,181 @@
+"""A Hugging Face causal LM with a KV cache that can be extended by token trees and rolled back.
+
+The cache holds the *committed* sequence except its newest token (the pending root of the next
+tree): ``runner.length == len(sequence) - 1`` after every step. A forward call appends a chain of
+committed tokens and/or some nodes of a tree; ``commit`` keeps the accepted root path by index
+selection on every layer's keys and values (nothing is ever re-run) and drops the rest.
+
+Masks are 4-D additive float masks ``[1, 1, queries, keys]`` (0 = attend, dtype min = blocked)
+with explicit ``position_ids``; models with sliding-window layers (Gemma-2/3, Mistral) get a dict
+per layer type whose sliding entry also hides keys older than the window, so they stay exact past
+the window.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..sampling import check_finite
+from ..tree import TokenTree
+
+
+def _layer_window_types(config) -> tuple[list[str] | None, int | None]:
+    """(layer types or None, sliding window or None) of a model config."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"treespec cannot build tree masks for attention layer types {sorted(unknown)}")
+        if "sliding_attention" not in layer_types:
+            return None, None
+        return list(layer_types), window
+    if window is not None and getattr(cfg, "use_sliding_window", True):
+        return None, window  # every layer slides (Mistral-style)
+    return None, None
+
+
+class ModelRunner:
+    """Wraps a causal LM: tree forwards over a rollback-able KV cache.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        Any Hugging Face causal LM (Llama-family, GPT-2, Gemma-3, ...), in eval mode.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.layer_types, self.window = _layer_window_types(model.config)
+        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.max_positions = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+        self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        self.cache = DynamicCache()  # no config: every layer keeps all keys; windows live in the masks
+        self.length = 0  # committed entries in the cache
+        self.key_positions = torch.empty(0, dtype=torch.long, device=self.device)  # [cache entries]
+        self.slots: list[int] = []  # tree node held by each uncommitted cache entry, in order
+        self.tree: TokenTree | None = None
+        self.root_position = 0
+
+    # ------------------------------------------------------------------ forward
+    def _masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """``visible`` ``[Q, K]`` bool -> a 4-D additive mask or a dict per layer type."""
+        minus = torch.finfo(self.dtype).min
+
+        def additive(v: torch.Tensor) -> torch.Tensor:
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            return torch.where(v, zero, torch.full((), minus, dtype=self.dtype, device=self.device))[None, None]
+
+        if self.window is None:
+            return additive(visible)
+        band = visible & ((q_pos[:, None] - k_pos[None, :]) < self.window)
+        if self.layer_types is None:
+            return additive(band)
+        return {"full_attention": additive(visible), "sliding_attention": additive(band)}
+
+    def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None,
+                chain: torch.Tensor | None = None, *, need_logits: bool = True,
+                need_hidden: bool = False) -> dict[str, torch.Tensor]:
+        """Append ``chain`` (committed tokens, causal) then tree ``nodes`` to the cache.
+
+        ``nodes`` (``[n]`` node indices, ancestors before descendants, the root among the first
+        call's nodes) may only see the committed prefix, the chain and their own ancestors.
+        The chain is committed at once. Returns ``logits`` ``[m + n, V]`` (float32, rows in input
+        order) and, if asked, ``hidden`` ``[m + n, H]``.
+        """
+        device = self.device
+        m = 0 if chain is None else chain.numel()
+        n = 0 if nodes is None else nodes.numel()
+        if m + n == 0:
+            raise ValueError("nothing to forward")
+        if m and self.slots:
+            raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
+        base = self.length
+        ids_parts, pos_parts = [], []
+        if m:
+            ids_parts.append(chain.to(device))
+            pos_parts.append(torch.arange(base, base + m, device=device))
+        if n:
+            if tree is None:
+                raise ValueError("tree nodes need their tree")
+            if not self.slots:
+                self.tree, self.root_position = tree, base + m
+            elif tree.num_nodes < self.tree.num_nodes:
+                raise RuntimeError("uncommitted nodes of another tree are still in the cache")
+            self.tree = tree  # a tree grown level by level keeps the indices of its earlier nodes
+            ids_parts.append(tree.tokens[nodes])
+            pos_parts.append(tree.depths[nodes] + self.root_position)
+        ids = torch.cat(ids_parts)  # [m + n]
+        q_pos = torch.cat(pos_parts)  # [m + n]
+        past = self.key_positions.numel()
+        k_pos = torch.cat([self.key_positions, q_pos])  # [past + m + n]
+        # visibility: committed prefix (and the chain, causally) for everyone; tree ancestry among nodes
+        total = past + m + n
+        visible = torch.zeros(m + n, total, dtype=torch.bool, device=device)
+        visible[:, :base] = True
+        if m:
+            visible[:m, base:base + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+            visible[m:, base:base + m] = True
+        if n:
+            # earlier nodes of this tree sit right after the prefix (no chain then), new ones at the end
+            key_nodes = torch.tensor(self.slots + nodes.tolist(), dtype=torch.long, device=device)
+            visible[m:, base + m:] = self.tree.ancestor_mask[nodes][:, key_nodes]  # [n, slots + n]
+        mask = self._masks(visible, q_pos, k_pos)
+        out = self.model.base_model(
+            input_ids=ids[None], attention_mask=mask, position_ids=q_pos[None],
+            past_key_values=self.cache, use_cache=True,
+        )
+        hidden = out.last_hidden_state[0]  # [m + n, H]
+        self.key_positions = k_pos
+        if m:
+            self.length = base + m
+        if n:
+            self.slots.extend(nodes.tolist())
+        result = {}
+        if need_logits:
+            result["logits"] = self.logits(hidden)
+        if need_hidden:
+            result["hidden"] = hidden
+        return result
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head (plus final soft-capping where the model has it): ``[..., H]`` -> float32 ``[..., V]``."""
+        logits = self.model.get_output_embeddings()(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        check_finite(logits, type(self.model).__name__)
+        return logits
+
+    # ------------------------------------------------------------------ cache commit
+    def commit(self, nodes: list[int]) -> None:
+        """Keep the committed prefix plus the cache entries of ``nodes`` (a root path, in order).
+
+        Nodes that were never fed to this model (e.g. draft leaves) are skipped: the caller feeds
+        them later as a committed chain. Every other uncommitted entry is dropped.
+        """
+        where = {node: i for i, node in enumerate(self.slots)}
+        kept = [self.length + where[node] for node in nodes if node in where]
+        if len(kept) != len(self.slots) or kept != list(range(self.length, self.length + len(kept))):
+            index = torch.tensor(list(range(self.length)) + kept, dtype=torch.long, device=self.device)
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+            self.key_positions = self.key_positions.index_select(0, index)
+        self.length += len(kept)
+        self.slots = []
+        self.tree = None
+
+    @property
+    def cache_length(self) -> int:
+        """Length of the cache as the model sees it (every layer agrees)."""
+        return self.cache.get_seq_length()

@@ -1,0 +1,158 @@
+"""The shared machinery of every tree verifier.
+
+A verifier is a pure function ``(tree, target_probs, draft_probs, generator) -> VerifyResult``.
+Each scheme is written as a *node rule*: given, for every internal node at once, the target
+distribution p, the draft distribution q and the ordered child tokens, it returns
+
+* ``choice_probs`` ``[M, K + 1]``: the exact probability that the node's output token is child k
+  (``k < K``), or that every child is rejected (column ``K``);
+* ``residual`` ``[M, V]``: the distribution the output token is drawn from when every child is
+  rejected (the *recovered* token).
+
+The marginal law of the output token, ``sum_k choice_probs[k] * onehot(x_k) + choice_probs[K] *
+residual``, must equal p exactly: that is what the exact-law tests enumerate. Because every node
+draws with its own independent randomness, all internal nodes are decided at once and the accepted
+path is then read off by walking from the root, which has the same law as deciding them top-down
+(a node below a rejection is never consulted). The walk runs on the device with a fixed number of
+gathers (the tree depth); the result is read back with a single host sync.
+
+At the final node of the path the emitted token is the *recovered* token (drawn from the residual)
+if that node has children, else the *bonus* token (drawn from p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..tree import TokenTree
+
+# (p [M, V], q [M, V] | None, child_tokens [M, K], child_valid [M, K]) -> (choice_probs, residual)
+NodeRule = Callable[
+    [torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor],
+    "tuple[torch.Tensor, torch.Tensor]",
+]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one tree.
+
+    Attributes
+    ----------
+    accepted_nodes : list[int]
+        Node indices of the accepted drafts, root excluded, in path order.
+    accepted_tokens : list[int]
+        Their tokens.
+    next_token : int
+        The token emitted after them: recovered (from the residual) or bonus (from p).
+    is_bonus : bool
+        True if every draft on the path was accepted down to a leaf.
+    """
+
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    next_token: int
+    is_bonus: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token this step emits: the accepted drafts, then the recovered / bonus token."""
+        return [*self.accepted_tokens, self.next_token]
+
+
+def check_inputs(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                 needs_draft_probs: bool, name: str) -> None:
+    n = tree.num_nodes
+    if target_probs.ndim != 2 or target_probs.shape[0] != n:
+        raise ValueError(
+            f"{name}: target_probs must be [num_nodes={n}, vocab], got {tuple(target_probs.shape)}"
+        )
+    if needs_draft_probs:
+        if draft_probs is None:
+            raise ValueError(f"{name}: this verifier needs draft_probs (the law the children were drawn from)")
+        if tuple(draft_probs.shape) != tuple(target_probs.shape):
+            raise ValueError(
+                f"{name}: draft_probs {tuple(draft_probs.shape)} must match target_probs "
+                f"{tuple(target_probs.shape)} (same vocabulary, one row per node)"
+            )
+
+
+def check_law(tree: TokenTree, allowed: tuple[str, ...], name: str) -> None:
+    if tree.law not in allowed:
+        raise ValueError(
+            f"verifier {name!r} needs a tree drafted under {' or '.join(map(repr, allowed))}, "
+            f"but this tree's children were drawn under {tree.law!r}; pick the verifier that matches "
+            f"the draft law (see treespec.verify.VERIFIER_LAWS)"
+        )
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw from each row of ``probs`` ``[..., V]`` -> ``[...]`` (no host sync)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                generator: torch.Generator | None, rule: NodeRule) -> VerifyResult:
+    """Verify ``tree`` with a node rule; see the module docstring."""
+    device = target_probs.device
+    n = tree.num_nodes
+    children = tree.children  # [n, K]
+    k = children.shape[1]
+    internal = torch.nonzero(tree.num_children > 0).flatten()  # [M]
+    next_node = torch.full((n,), -1, dtype=torch.long, device=device)
+    residual_row = torch.full((n,), -1, dtype=torch.long, device=device)
+    residual = target_probs[:0]
+    if internal.numel() > 0:
+        kids = children[internal]  # [M, K]
+        valid = kids >= 0
+        child_tokens = torch.where(valid, tree.tokens[kids.clamp(min=0)], torch.zeros_like(kids))
+        p = target_probs[internal]  # [M, V]
+        q = draft_probs[internal] if draft_probs is not None else None  # [M, V]
+        choice_probs, residual = rule(p, q, child_tokens, valid)  # [M, K+1], [M, V]
+        choice_probs = choice_probs.clamp(min=0)
+        cum = choice_probs.cumsum(dim=1)
+        u = torch.rand(internal.numel(), 1, generator=generator, device=device, dtype=cum.dtype)
+        choice = (u * cum[:, -1:] >= cum).sum(dim=1).clamp(max=k)  # [M], K = none accepted
+        picked = kids.gather(1, choice.clamp(max=k - 1)[:, None]).squeeze(1)
+        next_node[internal] = torch.where(choice < k, picked, torch.full_like(picked, -1))
+        residual_row[internal] = torch.arange(internal.numel(), device=device)
+    # Walk from the root: depth-many gathers, no host sync.
+    cur = torch.zeros((), dtype=torch.long, device=device)
+    for _ in range(tree.max_depth):
+        nxt = next_node[cur]
+        cur = torch.where(nxt >= 0, nxt, cur)
+    row = residual_row[cur]
+    is_bonus = row < 0
+    dist = target_probs[cur] if residual.shape[0] == 0 else torch.where(
+        is_bonus, target_probs[cur], residual[row.clamp(min=0)]
+    )
+    token = sample_categorical(dist, generator)
+    packed = torch.cat([torch.stack([cur, token, is_bonus.long()]),
+                        tree.ancestor_mask[cur].long(), tree.tokens])
+    host = packed.tolist()  # the one host sync of a verification
+    on_path, tokens = host[3:3 + n], host[3 + n:]
+    path = [i for i in range(1, n) if on_path[i]]
+    return VerifyResult(path, [tokens[i] for i in path], int(host[1]), bool(host[2]))
+
+
+def output_law(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
+               child_valid: torch.Tensor, rule: NodeRule) -> torch.Tensor:
+    """Exact law of one node's output token given its drafts: ``[M, V]``.
+
+    Used by the exact-law tests and the acceptance analysis: it runs the very rule that
+    :func:`verify_tree` samples from.
+    """
+    choice_probs, residual = rule(p, q, child_tokens, child_valid)
+    k = child_tokens.shape[1]
+    law = residual * choice_probs[:, k:k + 1]
+    law = law.scatter_add(1, child_tokens, choice_probs[:, :k] * child_valid)
+    return law

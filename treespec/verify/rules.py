@@ -1,0 +1,99 @@
+"""Node rules of the rejection-sampling family, vectorised over nodes (loop over sibling rank only).
+
+Every rule maps ``(p [M, V], q [M, V] | None, child_tokens [M, K], child_valid [M, K])`` to
+``(choice_probs [M, K + 1], residual [M, V])``; see :mod:`treespec.verify.core`.
+
+References
+----------
+- Leviathan, Kalman, Matias. "Fast Inference from Transformers via Speculative Decoding", arXiv 2211.17192.
+- Chen et al. "Accelerating Large Language Model Decoding with Speculative Sampling", arXiv 2302.01318.
+- Miao et al. "SpecInfer: Accelerating Generative LLM Serving with Tree-based Speculative Inference and
+  Verification", arXiv 2305.09781 (recursive rejection sampling, i.i.d. drafts).
+- Jeon et al. "Recursive Speculative Decoding: Accelerating LLM Inference via Sampling Without
+  Replacement", arXiv 2402.14160 (drafts without replacement).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` ``[M, V]`` divided by their sums; also returns which rows had positive mass."""
+    total = x.sum(dim=1, keepdim=True)
+    ok = total > 0
+    return torch.where(ok, x / torch.where(ok, total, torch.ones_like(total)), x), ok
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``min(1, num / den)``, with ``den == 0`` read as an impossible draft (accept iff num > 0)."""
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    return torch.where(den > 0, (num / safe).clamp(max=1.0), (num > 0).to(num.dtype))
+
+
+def rejection_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
+                   child_valid: torch.Tensor, *, without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling over ordered children drawn from q.
+
+    With replacement (SpecInfer): child i is accepted with probability ``min(1, r(x_i) / q(x_i))``
+    where r is the current residual (initially p); on rejection ``r <- norm((r - q)+)``.
+    Without replacement (Jeon et al.): the same test with ``q_i``, the law child i was drawn from;
+    on rejection ``r <- norm((r - q_i)+)`` and ``q_{i+1} = norm(q_i with x_i removed)``.
+    """
+    assert q is not None
+    m, k = child_tokens.shape
+    r = p  # [M, V]
+    qi = q  # [M, V]
+    alive = torch.ones(m, 1, dtype=p.dtype, device=p.device)  # P(all earlier children rejected)
+    choice = torch.zeros(m, k + 1, dtype=p.dtype, device=p.device)
+    for i in range(k):
+        x = child_tokens[:, i:i + 1]  # [M, 1]
+        valid = child_valid[:, i:i + 1]
+        a = _ratio(r.gather(1, x), qi.gather(1, x)) * valid  # [M, 1]
+        choice[:, i:i + 1] = alive * a
+        alive = alive * (1 - a)
+        r_next, ok = _normalise((r - qi).clamp(min=0))
+        r = torch.where(valid & ok, r_next, r)
+        if without_replacement:
+            q_next, ok_q = _normalise(qi.scatter(1, x, 0.0))
+            qi = torch.where(valid & ok_q, q_next, qi)
+    choice[:, k:] = alive
+    return choice, r
+
+
+def rrs_rule(p, q, child_tokens, child_valid):
+    return rejection_rule(p, q, child_tokens, child_valid, without_replacement=False)
+
+
+def rrs_without_replacement_rule(p, q, child_tokens, child_valid):
+    return rejection_rule(p, q, child_tokens, child_valid, without_replacement=True)
+
+
+def deterministic_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
+                       child_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates chosen without looking at the target: q is a point mass on each candidate.
+
+    Child i is accepted with probability ``r(x_i)``; on rejection ``r(x_i) <- 0`` and r is
+    renormalised. Lossless whatever rule picked the candidates.
+    """
+    m, k = child_tokens.shape
+    r = p
+    alive = torch.ones(m, 1, dtype=p.dtype, device=p.device)
+    choice = torch.zeros(m, k + 1, dtype=p.dtype, device=p.device)
+    for i in range(k):
+        x = child_tokens[:, i:i + 1]
+        valid = child_valid[:, i:i + 1]
+        a = r.gather(1, x) * valid
+        choice[:, i:i + 1] = alive * a
+        alive = alive * (1 - a)
+        r_next, ok = _normalise(r.scatter(1, x, 0.0))
+        r = torch.where(valid & ok, r_next, r)
+    choice[:, k:] = alive
+    return choice, r
+
+
+def greedy_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
+                child_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature 0: accept the first child equal to argmax p, else emit argmax p."""
+    onehot = torch.zeros_like(p).scatter_(1, p.argmax(dim=1, keepdim=True), 1.0)
+    return deterministic_rule(onehot, None, child_tokens, child_valid)
