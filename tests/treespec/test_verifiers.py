@@ -694,7 +694,6 @@ def test_kseq_acceptance_is_one_minus_beta_to_the_n():
     rng = np.random.default_rng(5)
     p, q = make_pq(rng, "random", 5)
     for n in (1, 2, 3):
-        cases = [(p, q, n)]
         tuples = enum_iid(list(q), n)
         toks = torch.tensor([t for t, _ in tuples])
         w = torch.tensor([pr for _, pr in tuples], dtype=DT)
@@ -708,4 +707,3 @@ def test_kseq_acceptance_is_one_minus_beta_to_the_n():
         beta = np.minimum(q, p / r).sum()
         assert acc == pytest.approx(1 - (1 - beta) ** n, abs=1e-12)
         assert acc >= np.minimum(p, q).sum() - 1e-12
-        assert cases

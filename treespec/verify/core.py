@@ -74,7 +74,7 @@ def check_inputs(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch
         raise ValueError(
             f"{name}: target_probs must be [num_nodes={n}, vocab], got {tuple(target_probs.shape)}"
         )
-    if needs_draft_probs:
+    if needs_draft_probs and n > 1:
         if draft_probs is None:
             raise ValueError(f"{name}: this verifier needs draft_probs (the law the children were drawn from)")
         if tuple(draft_probs.shape) != tuple(target_probs.shape):

@@ -1,0 +1,131 @@
+"""End-to-end losslessness: at temperature > 0 the law of the first three generated tokens under
+tree speculation equals the exact target law, for every verifier with its draft law.
+
+Setup: tiny Llama target and draft (vocabulary 6, different seeds), prompt [1, 2, 3], trees of depth
+2 (so the three tokens span several speculation steps, cache commits included). The exact law of
+the 6^3 three-token continuations is computed from the target's own distributions. Each run uses
+seed ``i`` for i in range(N). G test on the 216 cells (cells with expected count < 5 pooled),
+N = 1500 samples, significance alpha = 1e-3. The twin test swaps in a deliberately broken RRS
+(residual not updated after a rejection) and must be rejected at the same level.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from treespec import verify as verify_mod
+from treespec.drafting.model import ModelDrafter, StaticTreeShape
+from treespec.drafting.ngram import NgramConfig, NgramDrafter
+from treespec.generate import GenerationConfig, generate
+from treespec.models.tiny import tiny_model
+from treespec.sampling import SamplingConfig, logits_to_probs
+from treespec.verify.core import verify_tree
+
+V = 6
+PROMPT = [1, 2, 3]
+N = 1500
+ALPHA = 1e-3
+T1 = SamplingConfig(1.0)
+
+CASES = {
+    "single": (StaticTreeShape((1, 1), "iid"), T1),
+    "rrs": (StaticTreeShape((3, 2), "iid"), T1),
+    "rrs_topk_topp": (StaticTreeShape((3, 2), "iid"), SamplingConfig(0.8, top_k=4, top_p=0.9)),
+    "kseq": (StaticTreeShape((3, 2), "iid"), T1),
+    "rrs_without_replacement": (StaticTreeShape((3, 2), "without_replacement"), T1),
+    "deterministic": (StaticTreeShape((3, 2), "deterministic"), T1),
+    "greedy_draft": (StaticTreeShape((3, 2), "greedy_draft"), T1),
+    "spechub": (StaticTreeShape((2, 2), "spechub"), T1),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model("llama", V, seed=0, logit_scale=6.0)
+    draft = tiny_model("llama", V, seed=5, logit_scale=6.0)
+    return target, draft
+
+
+def exact_law(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3 | PROMPT) from one batched forward over all two-token extensions."""
+    ext = torch.tensor(list(itertools.product(range(V), repeat=2)))  # [V^2, 2]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(ext), -1), ext], dim=1)
+    probs = logits_to_probs(model(ids).logits[:, -3:].float(), sampling).double()  # [V^2, 3, V]
+    law = {}
+    for row, (a, b) in enumerate(ext.tolist()):
+        for c in range(V):
+            law[(a, b, c)] = float(probs[row, 0, a] * probs[row, 1, b] * probs[row, 2, c])
+    return law
+
+
+def g_test(counts: dict, law: dict, n: int) -> float:
+    """p-value of the G test of ``counts`` against ``law``; cells expected < 5 are pooled."""
+    observed, expected, pool_o, pool_e = [], [], 0, 0.0
+    for cell, prob in law.items():
+        if n * prob < 5:
+            pool_o += counts.get(cell, 0)
+            pool_e += n * prob
+        else:
+            observed.append(counts.get(cell, 0))
+            expected.append(n * prob)
+    if pool_e > 0:
+        observed.append(pool_o)
+        expected.append(pool_e)
+    stray = sum(c for cell, c in counts.items() if cell not in law)
+    assert stray == 0
+    g = 2 * sum(o * math.log(o / e) for o, e in zip(observed, expected) if o > 0)
+    return float(chi2.sf(g, len(observed) - 1))
+
+
+def sample_counts(target, make_drafter, verifier: str, sampling: SamplingConfig) -> dict:
+    counts: dict[tuple[int, ...], int] = {}
+    cfg_base = dict(max_new_tokens=3, sampling=sampling, stop_on_eos=False, verifier=verifier)
+    for seed in range(N):
+        out = generate(target, PROMPT, make_drafter(), GenerationConfig(seed=seed, **cfg_base))
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_first_three_tokens_follow_target_law(models, case):
+    target, draft = models
+    shape, sampling = CASES[case]
+    verifier = "rrs" if case == "rrs_topk_topp" else case
+    counts = sample_counts(target, lambda: ModelDrafter(draft, shape), verifier, sampling)
+    p_value = g_test(counts, exact_law(target, sampling), N)
+    assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
+
+
+def test_ngram_candidates_follow_target_law(models):
+    target, _ = models
+    counts = sample_counts(target, lambda: NgramDrafter(NgramConfig(min_ngram=1, depth=2, branches=3)),
+                           "deterministic", T1)
+    assert g_test(counts, exact_law(target, T1), N) > ALPHA
+
+
+def _broken_rrs_rule(p, q, child_tokens, child_valid):
+    """RRS that forgets to update the residual after a rejection (a classic bug)."""
+    m, k = child_tokens.shape
+    alive = torch.ones(m, 1, dtype=p.dtype)
+    choice = torch.zeros(m, k + 1, dtype=p.dtype)
+    for i in range(k):
+        x = child_tokens[:, i:i + 1]
+        a = (p.gather(1, x) / q.gather(1, x)).clamp(max=1.0) * child_valid[:, i:i + 1]
+        choice[:, i:i + 1] = alive * a
+        alive = alive * (1 - a)
+    choice[:, k:] = alive
+    return choice, p
+
+
+def test_broken_verifier_fails_the_same_test(models, monkeypatch):
+    target, draft = models
+    monkeypatch.setitem(verify_mod.VERIFIERS, "rrs",
+                        lambda tree, tp, dp, g=None: verify_tree(tree, tp, dp, g, _broken_rrs_rule))
+    shape, sampling = CASES["rrs"]
+    counts = sample_counts(target, lambda: ModelDrafter(draft, shape), "rrs", sampling)
+    p_value = g_test(counts, exact_law(target, sampling), N)
+    assert p_value < ALPHA, f"the broken verifier was not detected (p = {p_value:.3f})"
