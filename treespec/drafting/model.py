@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.compat import check_draft_vocab
 from ..models.runner import ModelRunner
 from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import DRAFT_LAWS, TokenTree
@@ -61,10 +62,8 @@ class ModelDrafter:
         self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
         self.shape = shape
         self.vocab_size = target_vocab_size or self.runner.vocab_size
-        if self.runner.vocab_size > self.vocab_size:
-            raise ValueError(
-                f"draft vocabulary ({self.runner.vocab_size}) is larger than the target's ({self.vocab_size})"
-            )
+        check_draft_vocab(self.vocab_size, self.runner.model.get_input_embeddings().weight.shape[0],
+                          self.runner.vocab_size)
         self._seen = 0  # tokens of the sequence the draft cache holds (committed)
 
     def law(self, sampling: SamplingConfig) -> str:

@@ -1,0 +1,103 @@
+"""The embedded Gemma-3-270M (fp32): tree-speculative greedy output is token-identical to plain greedy
+decoding for chains and trees, model drafts and n-gram drafts; the cache and the CLI work on it.
+
+The first run converts the GGUF (about 90 s) and caches it; later runs load in seconds.
+"""
+
+import json
+
+import pytest
+import torch
+
+from treespec.cli import main as cli_main
+from treespec.drafting.model import ModelDrafter, StaticTreeShape
+from treespec.drafting.ngram import NgramConfig, NgramDrafter
+from treespec.generate import GenerationConfig, generate
+from treespec.models.loading import load_model, load_tokenizer
+from treespec.models.runner import ModelRunner
+from treespec.sampling import SamplingConfig
+
+pytestmark = pytest.mark.gemma
+
+PROMPTS = [
+    "The history of the Roman Empire begins with",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Question: What is the boiling point of water at sea level?\nAnswer:",
+]
+GREEDY = GenerationConfig(max_new_tokens=64, sampling=SamplingConfig(0.0), stop_on_eos=False)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    torch.set_num_threads(2)
+    yield load_model("embedded", dtype="float32"), load_tokenizer("embedded")
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(gemma):
+    model, tok = gemma
+    return [generate(model, tok(p)["input_ids"], None, GREEDY).token_ids for p in PROMPTS]
+
+
+def test_plain_loop_matches_hugging_face_greedy(gemma, plain_outputs):
+    model, tok = gemma
+    ids = tok(PROMPTS[0], return_tensors="pt")
+    hf = model.generate(**ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)[0, ids["input_ids"].shape[1]:]
+    assert hf.tolist() == plain_outputs[0]
+
+
+@pytest.mark.parametrize("drafter", ["ngram_chain", "ngram_tree", "self_chain", "self_tree"])
+def test_greedy_speculation_is_token_identical(gemma, plain_outputs, drafter):
+    model, tok = gemma
+    for prompt, plain in zip(PROMPTS, plain_outputs):
+        make = {
+            "ngram_chain": lambda: NgramDrafter(NgramConfig(depth=6, branches=1)),
+            "ngram_tree": lambda: NgramDrafter(NgramConfig(depth=6, branches=4)),
+            # the target as its own draft: every level accepted, deep commits of model-drafted nodes
+            "self_chain": lambda: ModelDrafter(model, StaticTreeShape.chain(3)),
+            "self_tree": lambda: ModelDrafter(model, StaticTreeShape((2, 2))),
+        }[drafter]
+        out = generate(model, tok(prompt)["input_ids"], make(), GREEDY)
+        assert out.token_ids == plain
+        if drafter.startswith("self"):
+            assert out.tau > 2.5
+
+
+def test_cache_after_speculation_equals_fresh_prefill(gemma):
+    """Past the 512-token sliding window: a long prompt, then speculative steps; the target cache
+    then equals a fresh prefill, and the next logits equal a plain forward of the sequence."""
+    model, tok = gemma
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 55)  # ~ 550 tokens
+    ids = tok(text)["input_ids"]
+    assert len(ids) > 512
+    runner = ModelRunner(model)
+    out = generate(runner, ids, NgramDrafter(NgramConfig(depth=6, branches=3)),
+                   GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False))
+    seq = ids + out.token_ids
+    assert runner.length == len(seq) - 1 == runner.cache_length
+    fresh = ModelRunner(model)
+    fresh.forward(None, None, torch.tensor(seq[:-1]), need_logits=False)
+    for mine, ref in zip(runner.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.values, ref.values, atol=2e-4, rtol=1e-4)
+    ref_logits = model(torch.tensor([seq])).logits[0, -1].float()
+    from treespec.tree import TokenTree
+
+    mine = runner.forward(TokenTree.chain(seq[-1], []), torch.arange(1))["logits"][0]
+    torch.testing.assert_close(mine, ref_logits, atol=2e-3, rtol=1e-4)
+    assert out.token_ids == generate(model, ids, None, GenerationConfig(
+        max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)).token_ids
+
+
+def test_cli_json_speculative_equals_plain(capsys, gemma):
+    args = ["generate", "Once upon a time, there was a little", "--max-new-tokens", "24", "--dtype", "float32",
+            "--json", "--no-stop"]
+    assert cli_main(args) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert cli_main(args + ["--plain"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
+    assert spec["statistics"]["method"] == "ngram" and plain["statistics"]["method"] == "plain"
+    assert plain["statistics"]["tau"] == 1.0
+    assert isinstance(spec["text"], str) and spec["text"]
