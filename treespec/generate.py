@@ -109,10 +109,10 @@ def eos_token_ids(model) -> set[int]:
     return {int(i) for i in ([ids] if isinstance(ids, int) else ids)}
 
 
-def _resolve_verifier(name: str, law: str, sampling: SamplingConfig) -> Callable[..., VerifyResult]:
+def _resolve_verifier(name: str, law: str, sampling: SamplingConfig) -> tuple[str, Callable[..., VerifyResult]]:
     if name == "auto":
         name = "greedy" if sampling.greedy else DEFAULT_VERIFIER[law]
-    return VERIFIERS[name]
+    return name, VERIFIERS[name]
 
 
 @torch.no_grad()
@@ -146,7 +146,7 @@ def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torc
         )
     sampling = config.sampling
     law = drafter.law(sampling)
-    verify = _resolve_verifier(config.verifier, law, sampling)
+    verifier_name, verify = _resolve_verifier(config.verifier, law, sampling)
     eos = eos_token_ids(runner.model) if eos_ids is None else set(eos_ids)
     generator = torch.Generator(device=runner.device)
     if config.seed is not None:
@@ -156,12 +156,15 @@ def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torc
 
     start = time.perf_counter()
     runner.reset()
+    target_hidden = None
     if len(prompt) > 1:
-        runner.forward(None, None, torch.tensor(prompt[:-1], device=runner.device), need_logits=False)
+        # the prefill's hidden states (positions 0..len-2; the last predicts the first root) go to
+        # the first proposal, so hidden-state drafters can draft from step one
+        target_hidden = runner.forward(None, None, torch.tensor(prompt[:-1], device=runner.device),
+                                       need_logits=False, need_hidden=True)["hidden"]
     drafter.begin(prompt)
     seq = list(prompt)
     result = GenerationResult(prompt, [])
-    target_hidden = None
     while len(result.token_ids) < config.max_new_tokens:
         t0 = time.perf_counter()
         remaining = config.max_new_tokens - len(result.token_ids)
@@ -172,7 +175,8 @@ def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torc
         # verify the whole tree in one target pass
         nodes = torch.arange(tree.num_nodes, device=runner.device)
         out = runner.forward(tree, nodes, need_hidden=True)
-        target_probs = logits_to_probs(out["logits"], sampling)  # [num_nodes, V]
+        # the greedy verifier needs only each row's argmax: logits serve as they are
+        target_probs = out["logits"] if verifier_name == "greedy" else logits_to_probs(out["logits"], sampling)
         verdict = verify(tree, target_probs, draft.draft_probs, generator)
         t2 = time.perf_counter()
         # accept: cut at EOS and at max_new_tokens

@@ -46,9 +46,13 @@ class NonFiniteLogitsError(ValueError):
 
 
 def check_finite(logits: torch.Tensor, who: str) -> None:
-    """Raise :class:`NonFiniteLogitsError` if ``logits`` has NaN or +inf (one host sync)."""
-    if not bool(torch.isfinite(logits).logical_or(logits == float("-inf")).all()):
-        bad = "NaN" if bool(torch.isnan(logits).any()) else "inf"
+    """Raise :class:`NonFiniteLogitsError` if a row of ``logits`` has NaN or +inf, or is all -inf.
+
+    One reduction (the row maximum propagates NaN) and one host sync.
+    """
+    row_max = logits.amax(dim=-1)
+    if not bool(torch.isfinite(row_max).all()):
+        bad = "NaN" if bool(torch.isnan(row_max).any()) else "infinite"
         raise NonFiniteLogitsError(
             f"{who} produced {bad} logits; check the model weights and dtype (try --dtype float32)"
         )

@@ -40,7 +40,9 @@ class DraftState:
     tokens : the committed sequence; its last token is the root of the tree to propose.
     max_depth : the deepest the tree may go this step (generation ends within it).
     target_hidden : ``[num_new, H]`` the target's last hidden states at the positions committed by
-        the previous step (root and accepted nodes), or None before the first verification.
+        the previous step (root and accepted nodes), in order; on the first step the prefill's
+        (positions 0 .. len(prompt) - 2), or None for a one-token prompt. The last row always
+        predicts the current root token.
     """
 
     tokens: list[int]

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ..models.compat import check_draft_vocab
-from ..models.runner import ModelRunner
-from ..sampling import SamplingConfig, logits_to_probs
-from ..tree import DRAFT_LAWS, TokenTree
-from ..verify import VerifyResult
-from .base import Draft, DraftState
+from ..tree import DRAFT_LAWS
+from ..trees.grow import ShapeDrafter
+from ..trees.shape import TreeShape
 
 
 @dataclass(frozen=True)
@@ -55,72 +50,19 @@ class StaticTreeShape:
         return total
 
 
-class ModelDrafter:
-    """A draft causal LM growing a static tree shape, level by level."""
+class ModelDrafter(ShapeDrafter):
+    """A draft causal LM growing a static per-depth-width shape, level by level.
 
-    def __init__(self, model, shape: StaticTreeShape = StaticTreeShape(), target_vocab_size: int | None = None) -> None:
-        self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+    A thin front of :class:`treespec.trees.grow.ShapeDrafter` (which grows any
+    :class:`~treespec.trees.shape.TreeShape`): ``shape`` may also be a ``TreeShape``, then ``law``
+    gives its draft law.
+    """
+
+    def __init__(self, model, shape: "StaticTreeShape | TreeShape" = StaticTreeShape(),
+                 target_vocab_size: int | None = None, *, law: str = "iid") -> None:
+        if isinstance(shape, StaticTreeShape):
+            template, law = TreeShape.widths(shape.branching), shape.law
+        else:
+            template = shape
+        super().__init__(model, template, law, target_vocab_size)
         self.shape = shape
-        self.vocab_size = target_vocab_size or self.runner.vocab_size
-        check_draft_vocab(self.vocab_size, self.runner.model.get_input_embeddings().weight.shape[0],
-                          self.runner.vocab_size)
-        self._seen = 0  # tokens of the sequence the draft cache holds (committed)
-
-    def law(self, sampling: SamplingConfig) -> str:
-        return "deterministic" if sampling.greedy else self.shape.law
-
-    def begin(self, prompt_ids: list[int]) -> None:
-        self.runner.reset()
-
-    def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        """Draft rows ``[M, Vd]`` -> ``[M, V]`` (a smaller draft vocabulary has probability 0 elsewhere)."""
-        extra = self.vocab_size - x.shape[-1]
-        return x if extra == 0 else torch.nn.functional.pad(x, (0, extra), value=0.0)
-
-    def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        from .laws import draw_children
-
-        device = self.runner.device
-        law = self.law(sampling)
-        branching = self.shape.branching[: max(state.max_depth, 0)]
-        committed = state.tokens[:-1]
-        chain = torch.tensor(committed[self.runner.length:], dtype=torch.long, device=device)
-        parents = torch.tensor([-1], dtype=torch.long, device=device)
-        tokens = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
-        frontier = torch.zeros(1, dtype=torch.long, device=device)  # node indices of the newest level
-        q_rows: list[torch.Tensor] = []
-        for depth, k in enumerate(branching):
-            tree = TokenTree(parents, tokens, law)
-            out = self.runner.forward(tree, frontier, chain if depth == 0 and chain.numel() else None)
-            logits = self._pad(out["logits"][-frontier.numel():])  # [M, V]
-            chain = None
-            if law == "deterministic":
-                kids = torch.topk(logits, k, dim=-1).indices  # [M, k]
-                q = None
-            else:
-                q = logits_to_probs(logits, sampling)  # [M, V]
-                kids, valid = draw_children(q, k, law, generator)  # [M, k], [M, k]
-            q_rows.append(q)
-            start = tokens.numel()
-            new_parents = frontier[:, None].expand(-1, k)  # [M, k]
-            if law == "without_replacement":
-                # a node whose q has fewer than k tokens gets fewer children (one host sync)
-                new_parents, kids = new_parents[valid], kids[valid]
-            parents = torch.cat([parents, new_parents.reshape(-1)])
-            tokens = torch.cat([tokens, kids.reshape(-1)])
-            frontier = torch.arange(start, tokens.numel(), device=device)
-        tree = TokenTree(parents, tokens, law)
-        if not branching:
-            if chain is not None and chain.numel():
-                self.runner.forward(None, None, chain, need_logits=False)
-            return Draft(tree)
-        draft_probs = None
-        if law != "deterministic":
-            # frontier levels occupy consecutive node indices from 0, so the rows stack in order
-            internal = torch.cat(q_rows)  # [num_internal, V]
-            leaves = internal.new_zeros(tree.num_nodes - internal.shape[0], internal.shape[1])
-            draft_probs = torch.cat([internal, leaves])  # [num_nodes, V]
-        return Draft(tree, draft_probs)
-
-    def accept(self, result: VerifyResult, emitted: list[int]) -> None:
-        self.runner.commit([0, *result.accepted_nodes[: max(len(emitted) - 1, 0)]])

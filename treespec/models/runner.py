@@ -14,7 +14,9 @@ the window.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+
+from .kv_cache import TreeKVCache
 
 from ..sampling import check_finite
 from ..tree import TokenTree
@@ -60,7 +62,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        self.cache = DynamicCache()  # no config: every layer keeps all keys; windows live in the masks
+        self.cache = TreeKVCache()  # every layer keeps all keys; sliding windows live in the masks
         self.length = 0  # committed entries in the cache
         self.key_positions = torch.empty(0, dtype=torch.long, device=self.device)  # [cache entries]
         self.slots: list[int] = []  # tree node held by each uncommitted cache entry, in order
@@ -165,12 +167,13 @@ class ModelRunner:
         """
         where = {node: i for i, node in enumerate(self.slots)}
         kept = [self.length + where[node] for node in nodes if node in where]
-        if len(kept) != len(self.slots) or kept != list(range(self.length, self.length + len(kept))):
-            index = torch.tensor(list(range(self.length)) + kept, dtype=torch.long, device=self.device)
-            for layer in self.cache.layers:
-                layer.keys = layer.keys.index_select(-2, index)
-                layer.values = layer.values.index_select(-2, index)
-            self.key_positions = self.key_positions.index_select(0, index)
+        if kept == list(range(self.length, self.length + len(kept))):  # already in place: truncate
+            self.cache.keep(self.length + len(kept), torch.empty(0, dtype=torch.long, device=self.device))
+        else:
+            slots = torch.tensor(kept, dtype=torch.long, device=self.device)
+            self.cache.keep(self.length, slots)
+            self.key_positions[self.length: self.length + len(kept)] = self.key_positions[slots]
+        self.key_positions = self.key_positions[: self.length + len(kept)]
         self.length += len(kept)
         self.slots = []
         self.tree = None

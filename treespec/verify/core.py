@@ -125,17 +125,42 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
         picked = kids.gather(1, choice.clamp(max=k - 1)[:, None]).squeeze(1)
         next_node[internal] = torch.where(choice < k, picked, torch.full_like(picked, -1))
         residual_row[internal] = torch.arange(internal.numel(), device=device)
-    # Walk from the root: depth-many gathers, no host sync.
-    cur = torch.zeros((), dtype=torch.long, device=device)
-    for _ in range(tree.max_depth):
-        nxt = next_node[cur]
-        cur = torch.where(nxt >= 0, nxt, cur)
+    cur = _walk(tree, next_node)
     row = residual_row[cur]
     is_bonus = row < 0
     dist = target_probs[cur] if residual.shape[0] == 0 else torch.where(
         is_bonus, target_probs[cur], residual[row.clamp(min=0)]
     )
-    token = sample_categorical(dist, generator)
+    return _result(tree, cur, sample_categorical(dist, generator), is_bonus)
+
+
+def verify_tree_greedy(tree: TokenTree, scores: torch.Tensor) -> VerifyResult:
+    """Temperature-0 verification straight from row-wise argmaxes (probabilities or logits alike).
+
+    The fast path of :func:`verify_tree` with :func:`treespec.verify.rules.greedy_rule`: no
+    ``[M, V]`` work beyond one argmax, no sampling. Tested against the rule-based path.
+    """
+    best = scores.argmax(dim=-1)  # [n] the target's greedy token after each node
+    kids = tree.children  # [n, K]
+    match = (kids >= 0) & (tree.tokens[kids.clamp(min=0)] == best[:, None])  # [n, K]
+    first = match.to(torch.int8).argmax(dim=1, keepdim=True)  # first matching child
+    next_node = torch.where(match.any(dim=1), kids.gather(1, first).squeeze(1), torch.full_like(best, -1))
+    cur = _walk(tree, next_node)
+    return _result(tree, cur, best[cur], tree.num_children[cur] == 0)
+
+
+def _walk(tree: TokenTree, next_node: torch.Tensor) -> torch.Tensor:
+    """Follow ``next_node`` ``[n]`` (-1 = stop) from the root: depth-many gathers, no host sync."""
+    cur = torch.zeros((), dtype=torch.long, device=next_node.device)
+    for _ in range(tree.max_depth):
+        nxt = next_node[cur]
+        cur = torch.where(nxt >= 0, nxt, cur)
+    return cur
+
+
+def _result(tree: TokenTree, cur: torch.Tensor, token: torch.Tensor, is_bonus: torch.Tensor) -> VerifyResult:
+    """Read the path to ``cur`` and the emitted token back with one host sync."""
+    n = tree.num_nodes
     packed = torch.cat([torch.stack([cur, token, is_bonus.long()]),
                         tree.ancestor_mask[cur].long(), tree.tokens])
     host = packed.tolist()  # the one host sync of a verification

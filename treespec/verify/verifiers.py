@@ -12,7 +12,7 @@ import torch
 
 from ..tree import TokenTree
 from . import rules
-from .core import VerifyResult, check_inputs, check_law, verify_tree
+from .core import VerifyResult, check_inputs, check_law, verify_tree, verify_tree_greedy
 from .greedy_draft import greedy_draft_rule
 from .kseq import kseq_rule
 from .spechub import spechub_rule
@@ -20,9 +20,12 @@ from .spechub import spechub_rule
 
 def verify_greedy(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
                   generator: torch.Generator | None = None) -> VerifyResult:
-    """Temperature 0 (any draft law): follow children equal to argmax p; emit argmax p after."""
+    """Temperature 0 (any draft law): follow children equal to argmax p; emit argmax p after.
+
+    ``target_probs`` may be any row-wise scores with the target's argmax (probabilities or logits).
+    """
     check_inputs(tree, target_probs, draft_probs, False, "greedy")
-    return verify_tree(tree, target_probs, None, generator, rules.greedy_rule)
+    return verify_tree_greedy(tree, target_probs)
 
 
 def verify_single(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -1,0 +1,67 @@
+"""Plumbing shared by the model-drafting tree builders: the draft's runner, vocabulary padding,
+and committing the accepted path to the draft's KV cache.
+
+A builder may hand the target a tree whose node indices differ from the tree the draft runner
+grew (EAGLE-2 reranks; :class:`~treespec.trees.merged.MergedDrafter` appends n-gram nodes), so each
+proposal records, for every node of the proposed tree, the runner's node index (or nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.compat import check_draft_vocab
+from ..models.runner import ModelRunner
+from ..verify import VerifyResult
+
+
+class RunnerDrafter:
+    """Base of the model drafters in :mod:`treespec.trees` (holds a :class:`ModelRunner`)."""
+
+    def __init__(self, model, target_vocab_size: int | None = None) -> None:
+        self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+        self.vocab_size = target_vocab_size or self.runner.vocab_size
+        check_draft_vocab(self.vocab_size, self.runner.model.get_input_embeddings().weight.shape[0],
+                          self.runner.vocab_size)
+        # proposed node index -> runner node index (identity when the runner's tree is the proposal)
+        self._runner_index: list[int] | None = None
+        self.draft_forwards = 0  # draft forward passes in the last proposal (cost accounting)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.runner.reset()
+
+    def _pad(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[M, Vd]`` -> ``[M, V]``: a smaller draft vocabulary gets logit -inf
+        (probability 0) on the target's extra tokens."""
+        extra = self.vocab_size - logits.shape[-1]
+        if extra == 0:
+            return logits
+        return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+
+    def _pending_chain(self, tokens: list[int]) -> torch.Tensor | None:
+        """Committed tokens the draft cache has not seen yet (fed with the first forward)."""
+        committed = tokens[:-1]
+        if len(committed) <= self.runner.length:
+            return None
+        return torch.tensor(committed[self.runner.length:], dtype=torch.long, device=self.runner.device)
+
+    def _flush_chain(self, chain: torch.Tensor | None) -> None:
+        """Feed a pending chain when no tree forward will carry it (depth-0 proposals)."""
+        if chain is not None and chain.numel():
+            self.runner.forward(None, None, chain, need_logits=False)
+
+    def _forward(self, tree, nodes: list[int], chain: torch.Tensor | None) -> torch.Tensor:
+        """Draft logits ``[len(nodes), V]`` (padded) of tree ``nodes``."""
+        idx = torch.tensor(nodes, dtype=torch.long, device=self.runner.device)
+        out = self.runner.forward(tree, idx, chain)
+        self.draft_forwards += 1
+        return self._pad(out["logits"][-len(nodes):])
+
+    def accept(self, result: VerifyResult, emitted: list[int]) -> None:
+        accepted = result.accepted_nodes[: max(len(emitted) - 1, 0)]
+        mapping = self._runner_index
+        if mapping is None:
+            nodes = accepted
+        else:
+            nodes = [mapping[i] for i in accepted if i < len(mapping) and mapping[i] >= 0]
+        self.runner.commit([0, *nodes])

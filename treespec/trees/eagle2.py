@@ -1,0 +1,87 @@
+"""EAGLE-2-style context-aware dynamic trees (EAGLE-2: Faster Inference of Language Models with
+Dynamic Draft Trees, arXiv 2406.16858), grown by any draft causal LM.
+
+Expansion: at each depth, every frontier node (at most ``top_k`` of them) gets its ``top_k`` most
+likely draft tokens as candidate children, valued by the cumulative draft log-probability of the
+path (log-softmax of the draft logits at temperature 1, whatever the sampling temperature); the
+``top_k`` most valuable new candidates form the next frontier. One draft forward per depth.
+Rerank: all drafted candidates are sorted by value and the best ``num_nodes`` kept. A child's
+value never exceeds its parent's (log-probabilities are <= 0) and ties keep the parent first, so
+the kept set is a connected tree.
+
+The candidates are chosen from draft information only, so they verify losslessly as
+*deterministic candidates* (law "deterministic", any temperature; greedy at temperature 0).
+The tree handed to the target is a re-indexed subset of the tree the draft runner grew; the
+drafter maps accepted nodes back to the runner's indices when committing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafting.base import Draft, DraftState
+from ..sampling import SamplingConfig
+from ..tree import TokenTree
+from .common import RunnerDrafter
+
+
+class Eagle2Drafter(RunnerDrafter):
+    """Expand top-k per frontier node, keep the global top-k by cumulative log-prob, rerank to N.
+
+    Parameters
+    ----------
+    model : the draft causal LM (or its runner).
+    num_nodes : drafted nodes kept after the rerank (the budget, root excluded).
+    top_k : children per expanded node and frontier size.
+    depth : expansion depth (draft forwards per step).
+    """
+
+    def __init__(self, model, num_nodes: int = 16, top_k: int = 4, depth: int = 5, *,
+                 target_vocab_size: int | None = None) -> None:
+        super().__init__(model, target_vocab_size)
+        if num_nodes < 1 or top_k < 1 or depth < 1:
+            raise ValueError("num_nodes, top_k and depth must be >= 1")
+        self.num_nodes = num_nodes
+        self.top_k = top_k
+        self.depth = depth
+
+    def law(self, sampling: SamplingConfig) -> str:
+        return "deterministic"
+
+    def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        device = self.runner.device
+        self.draft_forwards = 0
+        chain = self._pending_chain(state.tokens)
+        parents, tokens, value = [-1], [state.tokens[-1]], [0.0]
+        frontier = [0]
+        for _ in range(min(self.depth, max(state.max_depth, 0))):
+            tree = TokenTree.from_lists(parents, tokens, "deterministic", device)
+            logits = self._forward(tree, frontier, chain)  # [M, V]
+            chain = None
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            k = min(self.top_k, logp.shape[-1])
+            lp, kids = torch.sort(logp, dim=-1, descending=True, stable=True)
+            lp, kids = lp[:, :k].tolist(), kids[:, :k].tolist()  # one host sync per depth
+            start = len(tokens)
+            for r, node in enumerate(frontier):
+                for j in range(k):
+                    parents.append(node)
+                    tokens.append(kids[r][j])
+                    value.append(value[node] + lp[r][j])
+            new = range(start, len(tokens))
+            frontier = sorted(sorted(new, key=lambda i: (-value[i], i))[: self.top_k])
+        self._flush_chain(chain)
+        # rerank: best num_nodes candidates by value (parents rank before their children)
+        ranked = sorted(range(1, len(tokens)), key=lambda i: (-value[i], i))
+        keep = {0}
+        for i in ranked:
+            if len(keep) > self.num_nodes:
+                break
+            if parents[i] in keep:
+                keep.add(i)
+        kept = sorted(keep)  # topological, siblings in draft rank order
+        new_index = {old: new for new, old in enumerate(kept)}
+        tree = TokenTree.from_lists([-1] + [new_index[parents[i]] for i in kept[1:]],
+                                    [tokens[i] for i in kept], "deterministic", device)
+        self._runner_index = kept
+        return Draft(tree)

@@ -1,0 +1,103 @@
+"""Growing any :class:`~treespec.trees.shape.TreeShape` with a draft causal LM, level by level.
+
+One draft forward per depth: the frontier nodes that have children in the template are fed
+together through the draft's KV cache with a tree mask, and all their children are drawn in one
+vectorised :func:`~treespec.drafting.laws.draw_children` call with per-node child counts.
+
+Every draft law of :data:`treespec.tree.DRAFT_LAWS` is supported ("spechub" needs at most two
+children per node). At temperature 0 every law becomes deterministic top-k of the draft logits
+(the verifier is greedy then). Under "without_replacement" a node whose q has fewer non-zero
+tokens than the template asks (e.g. with top-k / top-p sampling) gets only those children, and
+the template subtrees of the missing children are dropped: the tree is then smaller than the
+shape. Dropping is decided by the draft alone (before any missing child could be drawn), so the
+verification stays lossless.
+
+Cost: ``shape.max_depth`` draft forwards per step (one per level) plus one host sync per level to
+read the drawn tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafting.base import Draft, DraftState
+from ..drafting.laws import draw_children
+from ..sampling import SamplingConfig, logits_to_probs
+from ..tree import DRAFT_LAWS, TokenTree
+from .common import RunnerDrafter
+from .shape import TreeShape
+
+
+def check_shape_law(shape: TreeShape, law: str) -> None:
+    if law not in DRAFT_LAWS:
+        raise ValueError(f"unknown draft law {law!r}; expected one of {DRAFT_LAWS}")
+    if law == "spechub" and shape.num_drafted and max(shape.num_children) > 2:
+        raise ValueError("the spechub law drafts at most two children per node")
+
+
+class ShapeDrafter(RunnerDrafter):
+    """A draft causal LM growing a fixed :class:`TreeShape` under a draft law.
+
+    Parameters
+    ----------
+    model : the draft causal LM (or its :class:`~treespec.models.runner.ModelRunner`).
+    shape : the template tree (budget = ``shape.num_drafted`` nodes).
+    law : how each node's children are drawn at temperature > 0 (one of ``DRAFT_LAWS``).
+    target_vocab_size : the target's vocabulary (a smaller draft vocabulary is zero-padded).
+    """
+
+    def __init__(self, model, shape: TreeShape, law: str = "without_replacement",
+                 target_vocab_size: int | None = None) -> None:
+        super().__init__(model, target_vocab_size)
+        check_shape_law(shape, law)
+        self.tree_shape = shape
+        self.draft_law = law
+
+    def law(self, sampling: SamplingConfig) -> str:
+        return "deterministic" if sampling.greedy else self.draft_law
+
+    def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        law = self.law(sampling)
+        shape = self.tree_shape.truncate(max(state.max_depth, 0))
+        kids_of = shape.children
+        device = self.runner.device
+        self.draft_forwards = 0
+        chain = self._pending_chain(state.tokens)
+        parents, tokens, template = [-1], [state.tokens[-1]], [0]
+        rows: list[torch.Tensor] = []  # q rows of expanded nodes, in node order
+        expanded: list[int] = []
+        frontier = [0]
+        while True:
+            expand = [i for i in frontier if kids_of[template[i]]]
+            if not expand:
+                break
+            tree = TokenTree.from_lists(parents, tokens, law, device)
+            logits = self._forward(tree, expand, chain)  # [M, V]
+            chain = None
+            counts = torch.tensor([len(kids_of[template[i]]) for i in expand], dtype=torch.long, device=device)
+            if law == "deterministic":
+                drafts = draw_children(logits, counts, "deterministic")  # top-k of the logits
+            else:
+                q = logits_to_probs(logits, sampling)  # [M, V]
+                drafts = draw_children(q, counts, law, generator)
+                rows.append(q)
+                expanded.extend(expand)
+            toks, valid = drafts.tokens.tolist(), drafts.valid.tolist()  # one host sync per level
+            frontier = []
+            for r, node in enumerate(expand):
+                for j, child_template in enumerate(kids_of[template[node]]):
+                    if not valid[r][j]:
+                        break  # without replacement: q's support is exhausted; later ranks too
+                    frontier.append(len(tokens))
+                    parents.append(node)
+                    tokens.append(toks[r][j])
+                    template.append(child_template)
+        self._flush_chain(chain)
+        tree = TokenTree.from_lists(parents, tokens, law, device)
+        self._runner_index = None  # the runner grew exactly this tree
+        if law == "deterministic" or not rows:
+            return Draft(tree)
+        q_all = torch.cat(rows)
+        draft_probs = q_all.new_zeros(tree.num_nodes, q_all.shape[1])
+        draft_probs[torch.tensor(expanded, dtype=torch.long, device=device)] = q_all
+        return Draft(tree, draft_probs)
