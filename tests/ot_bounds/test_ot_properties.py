@@ -17,7 +17,7 @@ from ot_bounds import (
 from ot_bounds.verifiers import kseq_rho
 
 SAMPLINGS = ("iid", "without_replacement", "greedy")
-PROFILE = settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROFILE = settings(max_examples=35, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -1,0 +1,157 @@
+"""Benchmark ``ot_bounds.optimal_acceptance`` on full vocabularies (V = 262,144).
+
+Run from the repository root (single process)::
+
+    python benchmarks/bench_ot_bounds.py [--vocab 262144] [--repeats 5]
+
+Prints a table and writes ``benchmarks/results/ot_bounds/bench_ot_bounds.json``
+and ``.md`` with the commit (``git rev-parse HEAD`` or "uncommitted"), CPU
+model, library versions and date.
+
+Distributions (p = target, q = draft):
+
+* ``dirichlet``: p, q independent Dirichlet(1) (flat, no structure);
+* ``lm_mild``: q = softmax(3 z), p = softmax(3 z + e), z, e standard normal
+  (correlated, moderately peaked, LM-like);
+* ``lm_peaked``: q = softmax(6 z), p = softmax(6 z + 2 e) (very peaked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ot_bounds import optimal_subset  # noqa: E402
+
+OUT_DIR = ROOT / "benchmarks" / "results" / "ot_bounds"
+CASES = [("iid", 2), ("iid", 4), ("iid", 8), ("greedy", 2), ("greedy", 4), ("greedy", 8),
+         ("without_replacement", 2), ("without_replacement", 3), ("without_replacement", 4),
+         ("without_replacement", 8)]
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def make_pairs(v: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    z, e = rng.standard_normal(v), rng.standard_normal(v)
+    return {
+        "dirichlet": (rng.dirichlet(np.ones(v)), rng.dirichlet(np.ones(v))),
+        "lm_mild": (_softmax(3 * z + e), _softmax(3 * z)),
+        "lm_peaked": (_softmax(6 * z + 2 * e), _softmax(6 * z)),
+    }
+
+
+def _git_head() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "uncommitted"
+    except OSError:
+        return "uncommitted"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _versions() -> dict[str, str]:
+    import scipy
+
+    info = {"python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        info["torch"] = "not installed"
+    return info
+
+
+def run(vocab: int, repeats: int, budget_s: float) -> dict:
+    pairs = make_pairs(vocab)
+    rows = []
+    for dist, (p, q) in pairs.items():
+        for sampling, n in CASES:
+            optimal_subset(p, q, n, sampling)  # warm-up
+            times, res = [], None
+            start = time.perf_counter()
+            while len(times) < repeats and (not times or time.perf_counter() - start < budget_s):
+                t0 = time.perf_counter()
+                res = optimal_subset(p, q, n, sampling)
+                times.append(time.perf_counter() - t0)
+            assert res is not None
+            row = {
+                "distribution": dist, "sampling": sampling, "n": n,
+                "median_ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * float(np.min(times)), "runs": len(times),
+                "alpha_star": res.value, "subset_size": int(res.subset.size), "exact_evaluations": res.exact_evaluations,
+            }
+            rows.append(row)
+            print(f"{dist:>10} {sampling:>20} n={n:<2} {row['median_ms']:9.1f} ms  alpha*={res.value:.6f}  "
+                  f"|H|={res.subset.size:<7} exact evals={res.exact_evaluations}", flush=True)
+    return {
+        "benchmark": "ot_bounds.optimal_acceptance",
+        "vocab_size": vocab,
+        "commit": _git_head(),
+        "cpu": _cpu_model(),
+        "versions": _versions(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "repeats": repeats,
+        "target_ms": 50.0,
+        "rows": rows,
+    }
+
+
+def to_markdown(result: dict) -> str:
+    lines = [
+        f"# ot_bounds benchmark (V = {result['vocab_size']:,})",
+        "",
+        f"- commit: `{result['commit']}`",
+        f"- CPU: {result['cpu']}",
+        f"- versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
+        f"- date (UTC): {result['date']}",
+        f"- timing: median of up to {result['repeats']} runs after one warm-up, single process; target {result['target_ms']:.0f} ms",
+        "",
+        "| distribution | sampling | n | median ms | alpha* | \\|H\\| | exact evals |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(f"| {r['distribution']} | {r['sampling']} | {r['n']} | {r['median_ms']:.1f} | {r['alpha_star']:.6f} | "
+                     f"{r['subset_size']} | {r['exact_evaluations']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=262_144)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=20.0, help="seconds per case before stopping repeats")
+    ap.add_argument("--out", type=Path, default=OUT_DIR)
+    args = ap.parse_args()
+    result = run(args.vocab, args.repeats, args.budget)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_ot_bounds.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "bench_ot_bounds.md").write_text(to_markdown(result))
+    print(f"wrote {args.out / 'bench_ot_bounds.json'} and .md")
+
+
+if __name__ == "__main__":
+    main()

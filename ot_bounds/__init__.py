@@ -1,0 +1,76 @@
+"""ot_bounds: optimal acceptance rates of multi-draft speculative decoding.
+
+Notation: ``p`` = target distribution, ``q`` = draft distribution, ``n`` =
+number of drafted children at a node.  For a draft law ``Q`` of the ordered
+children, the best lossless verifier accepts with probability::
+
+    alpha* = 1 + min_H [ p(H) - Q(all drafts in H) ]
+
+Public API
+----------
+optimal_acceptance, optimal_subset       fast exact (dual / sorted prefixes)
+lp_optimal_acceptance                    primal OT linear program (small V)
+flow_optimal_acceptance                  max-flow / min-cut (small V)
+brute_force_optimal_acceptance           minimum over all 2^V subsets (tiny V)
+verifier_acceptance, verifier_outcome,
+positional_acceptance                    exact acceptance of verifiers
+prob_all_drafts_in, draft_tuple_law      draft laws
+expected_accepted_length,
+tree_acceptance_upper_bound,
+optimal_node_acceptance                  tree level (Sequoia's F(T) and its OT bound)
+
+References
+----------
+Hu et al., "Towards Optimal Multi-draft Speculative Decoding", ICLR 2025, arXiv:2502.18779.
+Khisti et al., "Multi-Draft Speculative Sampling: Canonical Architectures and
+Theoretical Limits", arXiv:2410.18234.
+Sun et al., "SpecTr", arXiv:2310.15141.  Sun et al., "SpecHub", arXiv:2411.05289.
+Chen et al., "Sequoia", arXiv:2402.12374.
+"""
+
+from .brute_force import brute_force_optimal_acceptance
+from .draft_laws import TUPLE_LAWS, TupleLaw, draft_tuple_law, prob_all_drafts_in
+from .flow import FlowResult, flow_optimal_acceptance
+from .lp import LPResult, lp_optimal_acceptance
+from .optimal import OptimalAcceptance, optimal_acceptance, optimal_subset
+from .trees import (
+    child_ranks,
+    expected_accepted_length,
+    optimal_node_acceptance,
+    tree_acceptance_upper_bound,
+)
+from .verifiers import (
+    VERIFIER_LAW,
+    VERIFIERS,
+    VerifierOutcome,
+    positional_acceptance,
+    verifier_acceptance,
+    verifier_outcome,
+)
+from ._validation import SAMPLINGS
+
+__all__ = [
+    "SAMPLINGS",
+    "TUPLE_LAWS",
+    "VERIFIERS",
+    "VERIFIER_LAW",
+    "FlowResult",
+    "LPResult",
+    "OptimalAcceptance",
+    "TupleLaw",
+    "VerifierOutcome",
+    "brute_force_optimal_acceptance",
+    "child_ranks",
+    "draft_tuple_law",
+    "expected_accepted_length",
+    "flow_optimal_acceptance",
+    "lp_optimal_acceptance",
+    "optimal_acceptance",
+    "optimal_node_acceptance",
+    "optimal_subset",
+    "positional_acceptance",
+    "prob_all_drafts_in",
+    "tree_acceptance_upper_bound",
+    "verifier_acceptance",
+    "verifier_outcome",
+]

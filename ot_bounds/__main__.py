@@ -1,0 +1,7 @@
+"""``python -m ot_bounds``: see :mod:`ot_bounds.cli`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""Input validation shared by every public function of :mod:`ot_bounds`.
+
+All public functions accept array-likes for ``p`` (target distribution) and
+``q`` (draft distribution) and call :func:`check_distributions` first, so that
+every entry point reports bad input with the same, explicit messages.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+#: Absolute tolerance on ``|sum(p) - 1|`` before we refuse the input.
+SUM_TOLERANCE: float = 1e-6
+
+#: Recognised draft sampling laws (see :mod:`ot_bounds.draft_laws`).
+SAMPLINGS: tuple[str, ...] = ("iid", "without_replacement", "greedy")
+
+
+def check_distribution(x: ArrayLike, name: str) -> NDArray[np.float64]:
+    """Validate one probability vector and return it renormalised.
+
+    Parameters
+    ----------
+    x : array_like, shape (V,)
+        Candidate probability vector.
+    name : str
+        Name used in error messages (``"p"`` or ``"q"``).
+
+    Returns
+    -------
+    numpy.ndarray of float64, shape (V,)
+        ``x / x.sum()`` (a fresh array).
+
+    Raises
+    ------
+    ValueError
+        If ``x`` is not 1-D, empty, contains NaN/inf, has a negative entry, or
+        does not sum to 1 within :data:`SUM_TOLERANCE`.
+
+    Examples
+    --------
+    >>> check_distribution([0.25, 0.75], "p")
+    array([0.25, 0.75])
+    """
+    try:
+        arr = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a numeric array, got {type(x).__name__}") from exc
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name} must be non-empty")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains NaN or infinite entries")
+    if np.any(arr < 0):
+        raise ValueError(f"{name} has negative entries (min {arr.min():.3g})")
+    total = float(arr.sum())
+    if abs(total - 1.0) > SUM_TOLERANCE:
+        raise ValueError(
+            f"{name} is not normalised: sums to {total:.10g} (tolerance {SUM_TOLERANCE:g})"
+        )
+    return arr / total
+
+
+def check_distributions(
+    p: ArrayLike, q: ArrayLike
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Validate a (target, draft) pair: both valid and of the same length.
+
+    Examples
+    --------
+    >>> p, q = check_distributions([0.5, 0.5], [1.0, 0.0])
+    >>> q
+    array([1., 0.])
+    """
+    p_arr = check_distribution(p, "p")
+    q_arr = check_distribution(q, "q")
+    if p_arr.shape != q_arr.shape:
+        raise ValueError(f"p and q must have the same length, got {p_arr.size} and {q_arr.size}")
+    return p_arr, q_arr
+
+
+def check_n(n: Any) -> int:
+    """Validate the number of drafted children ``n`` (a positive integer).
+
+    Examples
+    --------
+    >>> check_n(3)
+    3
+    """
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if int(n) < 1:
+        raise ValueError(f"n must be a positive integer (n >= 1), got {int(n)}")
+    return int(n)
+
+
+def check_sampling(sampling: Any) -> str:
+    """Validate a draft sampling law name.
+
+    Examples
+    --------
+    >>> check_sampling("iid")
+    'iid'
+    """
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"unknown sampling {sampling!r}; expected one of {list(SAMPLINGS)}")
+    return str(sampling)
+
+
+def check_small_vocab(v: int, n: int, sampling: str, limit: int, what: str) -> None:
+    """Refuse exhaustive methods whose size would explode.
+
+    ``limit`` bounds the number of ordered draft tuples (about ``V**n``).
+    """
+    size = float(v) ** n if sampling != "greedy" else float(v)
+    if size > limit:
+        raise ValueError(
+            f"{what} enumerates about V**n = {size:.3g} draft tuples (V={v}, n={n}); "
+            f"limit is {limit}. Use optimal_acceptance for large vocabularies."
+        )
