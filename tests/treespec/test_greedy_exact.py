@@ -64,3 +64,25 @@ def test_max_new_tokens_is_exact(max_new):
     out = generate(model, PROMPTS[0], drafter, cfg)
     assert len(out.token_ids) == max_new
     assert out.token_ids == generate(model, PROMPTS[0], None, cfg).token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_after_generation_equal_fresh_prefill(temperature):
+    """After 60+ speculative steps, the target's and the draft's caches hold exactly the committed
+    sequence (the draft may lag by the accepted leaves it never processed)."""
+    from treespec.models.runner import ModelRunner
+
+    target = ModelRunner(tiny_model("gemma3", 64, seed=0, logit_scale=8))
+    drafter = ModelDrafter(tiny_model("gemma3", 64, seed=1, logit_scale=8), StaticTreeShape((2, 2, 1)))
+    cfg = GenerationConfig(max_new_tokens=150, sampling=SamplingConfig(temperature), stop_on_eos=False)
+    out = generate(target, PROMPTS[0], drafter, cfg)
+    assert out.target_calls >= 50
+    seq = PROMPTS[0] + out.token_ids
+    assert target.length == target.cache_length == len(seq) - 1
+    assert drafter.runner.length == drafter.runner.cache_length <= len(seq) - 1
+    for runner in (target, drafter.runner):
+        fresh = ModelRunner(runner.model)
+        fresh.forward(None, None, torch.tensor(seq[: runner.length]), need_logits=False)
+        for mine, ref in zip(runner.cache.layers, fresh.cache.layers):
+            torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=0)
