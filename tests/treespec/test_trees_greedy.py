@@ -74,6 +74,6 @@ def test_sampling_combinations_run(builder, law, verifier):
     else:
         make = lambda: BUILDERS[builder](draft, law)  # noqa: E731
     cfg = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.0), stop_on_eos=False, verifier=verifier)
-    for seed in range(3):
+    for seed in range(2):
         out = generate(target, [1, 2, 3], make(), GenerationConfig(**{**cfg.__dict__, "seed": seed}))
         assert len(out.token_ids) == 12 and all(0 <= t < 16 for t in out.token_ids)

@@ -11,8 +11,10 @@ the kept set is a connected tree.
 
 The candidates are chosen from draft information only, so they verify losslessly as
 *deterministic candidates* (law "deterministic", any temperature; greedy at temperature 0).
-The tree handed to the target is a re-indexed subset of the tree the draft runner grew; the
-drafter maps accepted nodes back to the runner's indices when committing.
+Only the expanded candidates enter the draft's KV cache (its tree has at most 1 + depth * top_k
+nodes); the tree handed to the target is a re-indexed subset of all candidates, and the drafter
+maps accepted nodes back to the runner's indices when committing (unexpanded ones are fed later
+as a committed chain).
 """
 
 from __future__ import annotations
@@ -52,11 +54,19 @@ class Eagle2Drafter(RunnerDrafter):
         device = self.runner.device
         self.draft_forwards = 0
         chain = self._pending_chain(state.tokens)
+        # all candidates (host lists) and the runner's tree: only the expanded candidates enter the
+        # draft cache, so its tree stays <= 1 + depth * top_k nodes
         parents, tokens, value = [-1], [state.tokens[-1]], [0.0]
+        r_parents, r_tokens, to_runner = [-1], [state.tokens[-1]], {0: 0}
         frontier = [0]
         for _ in range(min(self.depth, max(state.max_depth, 0))):
-            tree = TokenTree.from_lists(parents, tokens, "deterministic", device)
-            logits = self._forward(tree, frontier, chain)  # [M, V]
+            for c in frontier:
+                if c not in to_runner:
+                    to_runner[c] = len(r_tokens)
+                    r_parents.append(to_runner[parents[c]])
+                    r_tokens.append(tokens[c])
+            tree = TokenTree.from_lists(r_parents, r_tokens, "deterministic", device)
+            logits = self._forward(tree, [to_runner[c] for c in frontier], chain)  # [M, V]
             chain = None
             logp = torch.log_softmax(logits.float(), dim=-1)
             k = min(self.top_k, logp.shape[-1])
@@ -83,5 +93,5 @@ class Eagle2Drafter(RunnerDrafter):
         new_index = {old: new for new, old in enumerate(kept)}
         tree = TokenTree.from_lists([-1] + [new_index[parents[i]] for i in kept[1:]],
                                     [tokens[i] for i in kept], "deterministic", device)
-        self._runner_index = kept
+        self._runner_index = [to_runner.get(i, -1) for i in kept]
         return Draft(tree)

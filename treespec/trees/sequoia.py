@@ -185,12 +185,13 @@ class SequoiaDP:
         self.choice = np.zeros((self.max_depth + 1, width + 1, size), dtype=np.int64)
         s_idx = np.arange(size)
         for d in range(1, self.max_depth + 1):
+            prev = np.where(np.isfinite(G[d - 1]), G[d - 1], 0.0)  # s = 0 is masked below
             H = np.zeros(size)  # H_W
             for i in range(width - 1, -1, -1):
                 # cand[m, s] = acc[i] * G[d-1][s] + H[m - s] for 1 <= s <= m
                 diff = s_idx[:, None] - s_idx[None, :]  # m - s
                 cand = np.where((s_idx[None, :] >= 1) & (diff >= 0),
-                                self.acc[i] * G[d - 1][None, :] + H[np.clip(diff, 0, None)], -np.inf)
+                                self.acc[i] * prev[None, :] + H[np.clip(diff, 0, None)], -np.inf)
                 best_s = cand.argmax(axis=1)
                 best = cand[s_idx, best_s]
                 take = best > 0.0  # strictly better than stopping

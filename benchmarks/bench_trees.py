@@ -1,0 +1,270 @@
+"""Compare draft-tree builders at equal node budgets on a subset of Spec-Bench.
+
+For each temperature (0 and 1 by default) and budget (8, 16, 32, 64 drafted nodes) every builder
+generates the same prompts; plain decoding of the same target runs in the same process for the
+speedup. Reported per (builder, budget, temperature): tau (tokens per target pass), tokens/s,
+speedup over plain decoding, draft / verify / other time, mean tree size.
+
+Prompt subset: the first ``--per-subtask`` rows of each Spec-Bench subtask (mt_bench, translation,
+summarization, qa, math_reasoning, rag) of /work/shared/data/eval/spec_bench.prompts.jsonl, first
+turn only, no chat template, truncated to ``--max-prompt-tokens`` tokens (from the left).
+
+Builders: model-free ``ngram`` (prompt lookup) always; with ``--draft PATH`` (a causal LM sharing
+the target's tokenizer) also ``chain``, ``specinfer`` (per-depth widths), ``spectr`` (4 independent
+chains), ``sequoia`` (DP shape from an acceptance vector measured on train prompts, or
+``--sequoia-acc``), ``dyspec`` (heap), ``dyspec_threshold``, ``eagle2`` and ``merged``
+(EAGLE-2 tree + n-gram trie). A self-speculative early-exit draft is not available yet, so model
+builders need ``--draft``.
+
+Writes results.json, results.md and results.png under
+``benchmarks/results/trees/<date>-<commit>/`` (commit, CPU, threads, versions and settings inside).
+
+    python benchmarks/bench_trees.py --draft path/to/draft          # the full comparison
+    python benchmarks/bench_trees.py --tiny --quick                 # smoke test on tiny random models
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from treespec.drafting.ngram import NgramConfig, NgramDrafter  # noqa: E402
+from treespec.generate import GenerationConfig, generate  # noqa: E402
+from treespec.sampling import SamplingConfig  # noqa: E402
+from treespec.trees.dyspec import DySpecDrafter  # noqa: E402
+from treespec.trees.eagle2 import Eagle2Drafter  # noqa: E402
+from treespec.trees.grow import ShapeDrafter  # noqa: E402
+from treespec.trees.merged import MergedDrafter  # noqa: E402
+from treespec.trees.sequoia import (AcceptanceVector, SequoiaDP, measure_acceptance_vector,  # noqa: E402
+                                    read_prompts)
+from treespec.trees.shape import TreeShape  # noqa: E402
+
+EVAL = Path("/work/shared/data/eval/spec_bench.prompts.jsonl")
+TRAIN = Path("/work/shared/data/train/train_prompts.jsonl")
+MODEL_FREE = ("ngram",)
+MODEL_BUILDERS = ("chain", "specinfer", "spectr", "sequoia", "dyspec", "dyspec_threshold", "eagle2", "merged")
+
+
+def specinfer_widths(budget: int) -> tuple[int, ...]:
+    """Per-depth widths <4, 2, 2, 1, 1, ...> grown while the tree fits the budget."""
+    plan, widths = [4, 2, 2] + [1] * 16, []
+    for w in plan:
+        if TreeShape.widths(tuple(widths + [w])).num_drafted > budget:
+            break
+        widths.append(w)
+    return tuple(widths) or (min(budget, 1),)
+
+
+def make_drafter(name: str, budget: int, draft, vocab: int, acc: list[float] | None, max_depth: int):
+    ngram = lambda n: NgramDrafter(NgramConfig(depth=min(8, n), branches=max(1, math.ceil(n / 8)),  # noqa: E731
+                                               max_nodes=n))
+    if name == "ngram":
+        return ngram(budget)
+    law = "without_replacement"
+    if name == "chain":
+        return ShapeDrafter(draft, TreeShape.chain(min(budget, max_depth)), law, vocab)
+    if name == "specinfer":
+        return ShapeDrafter(draft, TreeShape.widths(specinfer_widths(budget)), law, vocab)
+    if name == "spectr":
+        return ShapeDrafter(draft, TreeShape.independent_chains(4, max(1, min(budget // 4, max_depth))), "iid", vocab)
+    if name == "sequoia":
+        return ShapeDrafter(draft, SequoiaDP(acc, budget, max_depth).shape(budget, max_depth), law, vocab)
+    if name == "dyspec":
+        return DySpecDrafter(draft, budget, max_depth, target_vocab_size=vocab)
+    if name == "dyspec_threshold":
+        return DySpecDrafter(draft, budget, max_depth, variant="threshold", target_vocab_size=vocab)
+    if name == "eagle2":
+        return Eagle2Drafter(draft, budget, top_k=min(8, budget), depth=max_depth, target_vocab_size=vocab)
+    if name == "merged":
+        extra = max(1, budget // 4)
+        return MergedDrafter(Eagle2Drafter(draft, budget - extra, top_k=min(8, budget), depth=max_depth,
+                                           target_vocab_size=vocab),
+                             NgramConfig(depth=min(8, extra), branches=2, max_nodes=extra))
+    raise ValueError(name)
+
+
+def load_prompts(per_subtask: int) -> list[dict]:
+    rows, seen = [], {}
+    for line in EVAL.read_text().splitlines():
+        row = json.loads(line)
+        if seen.get(row["subtask"], 0) < per_subtask:
+            seen[row["subtask"]] = seen.get(row["subtask"], 0) + 1
+            rows.append(row)
+    return rows
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def run_set(target, prompts_ids, make, cfg: GenerationConfig) -> dict:
+    tot = {"new_tokens": 0, "target_calls": 0, "wall_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0,
+           "tree_nodes": 0.0}
+    for i, ids in enumerate(prompts_ids):
+        res = generate(target, ids, make(), GenerationConfig(**{**cfg.__dict__, "seed": i}))
+        s = res.summary()
+        for k in ("new_tokens", "target_calls", "wall_s", "draft_s", "verify_s", "other_s"):
+            tot[k] += s[k]
+        tot["tree_nodes"] += s["mean_tree_nodes"] * s["target_calls"]
+    return {"tau": tot["new_tokens"] / max(tot["target_calls"], 1),
+            "tokens_per_s": tot["new_tokens"] / max(tot["wall_s"], 1e-9),
+            "mean_tree_nodes": tot["tree_nodes"] / max(tot["target_calls"], 1), **tot}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--draft", default=None, help="draft causal LM path/id (needed for model builders)")
+    ap.add_argument("--tiny", action="store_true", help="tiny random Gemma-3 target/draft (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="1 prompt per subtask, 16 new tokens, budgets 8,16")
+    ap.add_argument("--budgets", default="8,16,32,64")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--builders", default=None, help="comma-separated subset")
+    ap.add_argument("--per-subtask", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-depth", type=int, default=10)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--sequoia-acc", default=None, help="acceptance vector JSON (else measured on train prompts)")
+    ap.add_argument("--calib-prompts", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.per_subtask, args.max_new_tokens, args.budgets = 1, 16, "8,16"
+        args.calib_prompts = min(args.calib_prompts, 8)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    rows = load_prompts(args.per_subtask)
+
+    if args.tiny:
+        from treespec.models.tiny import tiny_model
+        vocab = 256
+        target = tiny_model("gemma3", vocab, seed=0, hidden_size=64, logit_scale=8, max_positions=2048)
+        draft = tiny_model("gemma3", vocab, seed=1, hidden_size=32, logit_scale=8, max_positions=2048)
+        encode = lambda text: [b % vocab for b in text.encode()][-args.max_prompt_tokens:] or [1]  # noqa: E731
+        target_name, draft_name = "tiny-gemma3-random", "tiny-gemma3-random"
+    else:
+        from treespec.models.loading import load_model, load_tokenizer
+        tok = load_tokenizer("embedded")
+        target = load_model("embedded", dtype=args.dtype)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
+        encode = lambda text: tok(text)["input_ids"][-args.max_prompt_tokens:]  # noqa: E731
+        target_name, draft_name = "embedded gemma-3-270m", args.draft
+    builders = list(MODEL_FREE) + (list(MODEL_BUILDERS) if draft is not None else [])
+    if args.builders:
+        wanted = args.builders.split(",")
+        missing = [b for b in wanted if b in MODEL_BUILDERS and draft is None]
+        if missing:
+            raise SystemExit(f"builders {missing} need a draft model: pass --draft PATH (or --tiny)")
+        builders = [b for b in builders if b in wanted]
+    prompts_ids = [encode(r["prompt"]) for r in rows]
+
+    accs: dict[float, list[float]] = {}
+    if "sequoia" in builders:
+        if args.sequoia_acc:
+            vec = AcceptanceVector.load(args.sequoia_acc)
+            accs = {t: vec.acc for t in temps}
+        else:
+            calib = [encode(p)[:128] for p in read_prompts(TRAIN, args.calib_prompts)]  # train split only
+            for t in temps:
+                vec = measure_acceptance_vector(target, draft, calib, SamplingConfig(t), width=8,
+                                                generator=torch.Generator().manual_seed(0))
+                accs[t] = vec.acc
+
+    results = []
+    warm = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    generate(target, prompts_ids[0], None, warm)  # warm-up
+    for t in temps:
+        cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(t), stop_on_eos=False)
+        plain = run_set(target, prompts_ids, lambda: None, cfg)
+        results.append({"builder": "plain", "budget": 0, "temperature": t, **plain, "speedup": 1.0})
+        print(f"T={t} plain: {plain['tokens_per_s']:.1f} tok/s", flush=True)
+        for b in budgets:
+            for name in builders:
+                make = lambda: make_drafter(name, b, draft, vocab, accs.get(t), args.max_depth)  # noqa: E731
+                generate(target, prompts_ids[0], make(), warm)  # warm-up
+                r = run_set(target, prompts_ids, make, cfg)
+                r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"]
+                results.append({"builder": name, "budget": b, "temperature": t, **r})
+                print(f"T={t} n={b} {name}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s, "
+                      f"speedup {r['speedup']:.2f}", flush=True)
+
+    commit = git_commit()
+    out = Path(args.out) if args.out else ROOT / "benchmarks/results/trees" / (
+        f"{datetime.date.today().isoformat()}-{commit}" + ("-tiny" if args.tiny else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"commit": commit, "machine": machine_info(), "target": target_name, "draft": draft_name,
+            "dtype": args.dtype, "settings": vars(args), "prompts": [r["id"] for r in rows],
+            "prompt_subset": f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)",
+            "sequoia_acc": {str(k): v for k, v in accs.items()}}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    lines = [f"# Tree builders, commit {commit}", "",
+             f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
+             f"{meta['machine']['threads']} threads, torch {meta['machine']['torch']}, "
+             f"transformers {meta['machine']['transformers']}, {args.dtype}; {meta['prompt_subset']}, "
+             f"{len(rows)} prompts, {args.max_new_tokens} new tokens", "",
+             "| T | builder | budget | tree nodes | tau | tokens/s | speedup | draft s | verify s | other s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['temperature']:g} | {r['builder']} | {r['budget']} | {r['mean_tree_nodes']:.1f} | "
+                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['draft_s']:.2f} | "
+                     f"{r['verify_s']:.2f} | {r['other_s']:.2f} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, len(temps), figsize=(5 * len(temps), 8), squeeze=False)
+    for j, t in enumerate(temps):
+        for name in builders:
+            pts = sorted((r["budget"], r["tau"], r["speedup"]) for r in results
+                         if r["builder"] == name and r["temperature"] == t)
+            axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
+        axes[0][j].set_title(f"T = {t:g}: tau")
+        axes[1][j].set_title(f"T = {t:g}: speedup over plain")
+        axes[1][j].axhline(1.0, color="gray", lw=0.8)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("node budget")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=100)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""End-to-end losslessness of the new tree builders at temperature 1: the law of the first three
+generated tokens equals the exact target law (same setup, helpers and alpha = 1e-3 as
+test_end_to_end_stats.py: tiny vocabulary-6 Llama target and draft, prompt [1, 2, 3], G test),
+but N = 400 samples per case by default to keep the suite fast (set ``TREESPEC_TREES_STATS_N=1500``
+for the full-power run; all cases passed at 1500 when written).
+
+Cases: a Medusa-style shape whose draws without replacement are truncated by top-k sampling (so
+children and their subtrees go missing), DySpec heap trees (children drawn at different times,
+shape driven by revealed draft masses), EAGLE-2 reranked candidates merged with an n-gram trie
+(deterministic candidates), and (only with the full N) SpecTr-style independent chains verified by
+K-SEQ."""
+
+import os
+
+import pytest
+
+import test_end_to_end_stats as base
+
+from treespec.drafting.ngram import NgramConfig
+from treespec.sampling import SamplingConfig
+from treespec.trees.dyspec import DySpecDrafter
+from treespec.trees.eagle2 import Eagle2Drafter
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.merged import MergedDrafter
+from treespec.trees.shape import TreeShape
+
+from test_end_to_end_stats import ALPHA, T1, exact_law, g_test, models  # noqa: F401
+
+N = int(os.environ.get("TREESPEC_TREES_STATS_N", "400"))
+
+TOPK3 = SamplingConfig(1.0, top_k=3)
+CASES = {
+    "medusa_wor_truncated": (lambda d: ShapeDrafter(d, TreeShape.from_paths(
+        [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [3, 0]]), "without_replacement"),
+        "rrs_without_replacement", TOPK3),
+    "spectr_chains_kseq": (lambda d: ShapeDrafter(d, TreeShape.independent_chains(3, 2), "iid"), "kseq", T1),
+    "dyspec_heap": (lambda d: DySpecDrafter(d, 5), "rrs_without_replacement", T1),
+    "eagle2_merged_ngram": (lambda d: MergedDrafter(Eagle2Drafter(d, 4, top_k=2, depth=2),
+                                                    NgramConfig(min_ngram=1, depth=2, branches=2, max_nodes=4)),
+                            "deterministic", T1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_first_three_tokens_follow_target_law(models, case, monkeypatch):  # noqa: F811
+    target, draft = models
+    make, verifier, sampling = CASES[case]
+    if case == "spectr_chains_kseq" and N < 1500:
+        pytest.skip("full-power run only (TREESPEC_TREES_STATS_N=1500)")
+    monkeypatch.setattr(base, "N", N)
+    counts = base.sample_counts(target, lambda: make(draft), verifier, sampling)
+    p_value = g_test(counts, exact_law(target, sampling), N)
+    assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
