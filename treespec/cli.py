@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
     g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
     g.add_argument("--draft", default="ngram",
-                   help="'ngram' (prompt lookup, default), 'none', or a draft causal LM path/id sharing the tokenizer")
+                   help="'ngram' (prompt lookup, default), 'none', a draft causal LM path/id sharing the tokenizer, "
+                        "an EAGLE head .safetensors (python -m treespec.distill), or early-exit:L "
+                        "(the target's first L layers as its own draft)")
     g.add_argument("--tree", type=_branching, default=None,
                    help="children per depth for a model draft, e.g. 4 (chain of 4: 1,1,1,1) or 2,2,1; "
                         "for ngram: depth,branches (default 8,4)")
@@ -72,6 +74,22 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
             raise SystemExit("treespec: for --draft ngram, --tree takes depth,branches (e.g. 8,4)")
         depth, branches = args.tree
         return NgramDrafter(NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches))
+    if args.draft.startswith("early-exit:"):  # the target's own first layers (self-speculative)
+        from .models.early_exit import early_exit_model
+
+        try:
+            layers = int(args.draft.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--draft early-exit:L takes a layer count, got {args.draft!r}") from None
+        branching = args.tree or (1, 1, 1, 1)
+        branching = (1,) * branching[0] if len(branching) == 1 else branching
+        return ModelDrafter(early_exit_model(target_model, layers), StaticTreeShape(branching, args.law))
+    if args.draft.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
+        from .drafting.head import EagleHead, HeadDrafter
+
+        branching = args.tree or (1, 1, 1, 1)
+        branching = (1,) * branching[0] if len(branching) == 1 else branching
+        return HeadDrafter(EagleHead.load(args.draft, target_model), StaticTreeShape(branching, args.law))
     from .models.compat import check_tokenizers, check_vocab_sizes
     from .models.loading import load_model, load_tokenizer
 
