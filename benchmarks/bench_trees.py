@@ -6,15 +6,16 @@ speedup. Reported per (builder, budget, temperature): tau (tokens per target pas
 speedup over plain decoding, draft / verify / other time, mean tree size.
 
 Prompt subset: the first ``--per-subtask`` rows of each Spec-Bench subtask (mt_bench, translation,
-summarization, qa, math_reasoning, rag) of /work/shared/data/eval/spec_bench.prompts.jsonl, first
+summarization, qa, math_reasoning, rag) of ../shared/data/eval/spec_bench.prompts.jsonl, first
 turn only, no chat template, truncated to ``--max-prompt-tokens`` tokens (from the left).
 
 Builders: model-free ``ngram`` (prompt lookup) always; with ``--draft PATH`` (a causal LM sharing
 the target's tokenizer) also ``chain``, ``specinfer`` (per-depth widths), ``spectr`` (4 independent
 chains), ``sequoia`` (DP shape from an acceptance vector measured on train prompts, or
 ``--sequoia-acc``), ``dyspec`` (heap), ``dyspec_threshold``, ``eagle2`` and ``merged``
-(EAGLE-2 tree + n-gram trie). A self-speculative early-exit draft is not available yet, so model
-builders need ``--draft``.
+(EAGLE-2 tree + n-gram trie). Model builders need ``--draft`` (a path / id, or ``early-exit:L`` for
+the target's own first L layers). For Sequoia the tau predicted from the calibration acceptance
+vector is reported beside the measured one.
 
 Writes results.json, results.md and results.png under
 ``benchmarks/results/trees/<date>-<commit>/`` (commit, CPU, threads, versions and settings inside).
@@ -29,8 +30,6 @@ import argparse
 import datetime
 import json
 import math
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,12 +46,14 @@ from treespec.trees.dyspec import DySpecDrafter  # noqa: E402
 from treespec.trees.eagle2 import Eagle2Drafter  # noqa: E402
 from treespec.trees.grow import ShapeDrafter  # noqa: E402
 from treespec.trees.merged import MergedDrafter  # noqa: E402
-from treespec.trees.sequoia import (AcceptanceVector, SequoiaDP, measure_acceptance_vector,  # noqa: E402
+from treespec.trees.sequoia import (AcceptanceVector, SequoiaDP, measure_acceptance_vector, predicted_tau,  # noqa: E402
                                     read_prompts)
 from treespec.trees.shape import TreeShape  # noqa: E402
 
-EVAL = Path("/work/shared/data/eval/spec_bench.prompts.jsonl")
-TRAIN = Path("/work/shared/data/train/train_prompts.jsonl")
+from benchmarks.common import SHARED, git_commit, machine_info  # noqa: E402
+from benchmarks.common import load_prompts as load_all_prompts  # noqa: E402
+
+TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
 MODEL_FREE = ("ngram",)
 MODEL_BUILDERS = ("chain", "specinfer", "spectr", "sequoia", "dyspec", "dyspec_threshold", "eagle2", "merged")
 
@@ -96,35 +97,7 @@ def make_drafter(name: str, budget: int, draft, vocab: int, acc: list[float] | N
 
 
 def load_prompts(per_subtask: int) -> list[dict]:
-    rows, seen = [], {}
-    for line in EVAL.read_text().splitlines():
-        row = json.loads(line)
-        if seen.get(row["subtask"], 0) < per_subtask:
-            seen[row["subtask"]] = seen.get(row["subtask"], 0) + 1
-            rows.append(row)
-    return rows
-
-
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    return load_all_prompts(per_subtask)
 
 
 def run_set(target, prompts_ids, make, cfg: GenerationConfig) -> dict:
@@ -176,11 +149,11 @@ def main(argv=None) -> int:
         encode = lambda text: [b % vocab for b in text.encode()][-args.max_prompt_tokens:] or [1]  # noqa: E731
         target_name, draft_name = "tiny-gemma3-random", "tiny-gemma3-random"
     else:
-        from treespec.models.loading import load_model, load_tokenizer
+        from treespec.models.loading import load_draft_model, load_model, load_tokenizer
         tok = load_tokenizer("embedded")
         target = load_model("embedded", dtype=args.dtype)
         vocab = target.get_output_embeddings().weight.shape[0]
-        draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
+        draft = load_draft_model(args.draft, target, dtype=args.dtype) if args.draft else None
         encode = lambda text: tok(text)["input_ids"][-args.max_prompt_tokens:]  # noqa: E731
         target_name, draft_name = "embedded gemma-3-270m", args.draft
     builders = list(MODEL_FREE) + (list(MODEL_BUILDERS) if draft is not None else [])
@@ -218,9 +191,13 @@ def main(argv=None) -> int:
                 generate(target, prompts_ids[0], make(), warm)  # warm-up
                 r = run_set(target, prompts_ids, make, cfg)
                 r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"]
+                if name == "sequoia":  # measured (held-out eval prompts) vs predicted (train calibration)
+                    shape = SequoiaDP(accs[t], b, args.max_depth).shape(b, args.max_depth)
+                    r["predicted_tau"] = predicted_tau(shape, accs[t])
                 results.append({"builder": name, "budget": b, "temperature": t, **r})
                 print(f"T={t} n={b} {name}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s, "
-                      f"speedup {r['speedup']:.2f}", flush=True)
+                      f"speedup {r['speedup']:.2f}" + (f", predicted tau {r['predicted_tau']:.2f}"
+                                                      if "predicted_tau" in r else ""), flush=True)
 
     commit = git_commit()
     out = Path(args.out) if args.out else ROOT / "benchmarks/results/trees" / (
@@ -233,7 +210,7 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [f"# Tree builders, commit {commit}", "",
              f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
-             f"{meta['machine']['threads']} threads, torch {meta['machine']['torch']}, "
+             f"{meta['machine']['torch_threads']} threads, torch {meta['machine']['torch']}, "
              f"transformers {meta['machine']['transformers']}, {args.dtype}; {meta['prompt_subset']}, "
              f"{len(rows)} prompts, {args.max_new_tokens} new tokens", "",
              "| T | builder | budget | tree nodes | tau | tokens/s | speedup | draft s | verify s | other s |",

@@ -75,15 +75,11 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
         depth, branches = args.tree
         return NgramDrafter(NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches))
     if args.draft.startswith("early-exit:"):  # the target's own first layers (self-speculative)
-        from .models.early_exit import early_exit_model
+        from .models.loading import load_draft_model
 
-        try:
-            layers = int(args.draft.split(":", 1)[1])
-        except ValueError:
-            raise ValueError(f"--draft early-exit:L takes a layer count, got {args.draft!r}") from None
         branching = args.tree or (1, 1, 1, 1)
         branching = (1,) * branching[0] if len(branching) == 1 else branching
-        return ModelDrafter(early_exit_model(target_model, layers), StaticTreeShape(branching, args.law))
+        return ModelDrafter(load_draft_model(args.draft, target_model), StaticTreeShape(branching, args.law))
     if args.draft.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
         from .drafting.head import EagleHead, HeadDrafter
 

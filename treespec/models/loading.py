@@ -179,3 +179,21 @@ def load_tokenizer(name_or_path: str = "embedded"):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+
+
+def load_draft_model(spec: str, target, *, dtype: str | torch.dtype | None = None):
+    """A draft causal LM from a spec: ``"early-exit:L"`` (the target's first L layers, shared
+    weights) or a Hugging Face path / id (checked to speak the target's vocabulary)."""
+    if spec.startswith("early-exit:"):
+        from .early_exit import early_exit_model
+
+        try:
+            layers = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"a draft spec early-exit:L takes a layer count, got {spec!r}") from None
+        return early_exit_model(target, layers)
+    from .compat import check_vocab_sizes
+
+    draft = load_model(spec, dtype=dtype if dtype is not None else next(target.parameters()).dtype)
+    check_vocab_sizes(target, draft)
+    return draft
