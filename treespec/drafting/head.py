@@ -125,7 +125,7 @@ class EagleHead(nn.Module):
         self.register_buffer("lm_rows", torch.empty(0), persistent=False)  # W[S] [|S|, H], frozen copy
 
     # ------------------------------------------------------------------ target coupling
-    def attach(self, target, *, init_out_norm: bool = False) -> "EagleHead":
+    def attach(self, target) -> "EagleHead":
         """Take the target's input embedding and the LM-head rows of the subset (frozen)."""
         from ..models.runner import ModelRunner
 
@@ -135,13 +135,6 @@ class EagleHead(nn.Module):
             raise ValueError("this head was built for another target (hidden size or vocabulary differ)")
         object.__setattr__(self, "_embed", emb)  # not a submodule: never trained, never saved
         self.lm_rows = out.weight.detach().index_select(0, self.vocab_ids.to(out.weight.device)).float().clone()
-        if init_out_norm:
-            # the target's final norm applied to a unit-RMS vector gives its effective per-channel scale
-            norm = model.base_model.norm
-            with torch.no_grad():
-                scale = norm(torch.ones(1, self.cfg.hidden_size, dtype=out.weight.dtype,
-                                        device=out.weight.device)).float()[0]
-                self.out_norm.weight.copy_(scale.to(self.out_norm.weight.device))
         return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -239,7 +232,7 @@ def new_head(target, vocab_ids: torch.Tensor, *, num_heads: int = 8, head_dim: i
                 nn.init.normal_(mod.weight, std=0.02)
         head.layer.o.weight.mul_(0.1)
         head.layer.down.weight.mul_(0.1)
-    return head.attach(target, init_out_norm=True)
+    return head.attach(target)
 
 
 # ---------------------------------------------------------------------- the drafter

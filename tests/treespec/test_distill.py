@@ -1,0 +1,174 @@
+"""Distillation end to end on a tiny random target: corpus -> training -> save/load -> generation.
+
+Target: tiny random Gemma-3 (vocabulary 128, hidden 32, sliding window 8). Prompts: a dozen rows of
+the train prompt file, tokenised in-test as UTF-8 bytes mod 127 plus 1 (id 0 is a BOS). The head
+is trained for a few dozen steps; it need not be good, only exercised: greedy output must equal
+plain greedy decoding (fp32), the T=1 output law must equal the target's (G test, seed i for
+i in range(N), N = 600, alpha = 1e-3, same helpers as test_end_to_end_stats), resuming from a
+checkpoint must continue exactly, and q must be exactly 0 outside the vocabulary subset.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from treespec.distill.corpus import CorpusOptions, build_corpus, check_not_eval, load_manifest
+from treespec.distill.train import TrainConfig, train
+from treespec.drafting.base import DraftState
+from treespec.drafting.head import EagleHead, HeadDrafter
+from treespec.drafting.model import StaticTreeShape
+from treespec.generate import GenerationConfig, generate
+from treespec.models.tiny import tiny_model
+from treespec.sampling import SamplingConfig
+
+from .test_end_to_end_stats import g_test
+
+V = 128
+TRAIN = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "train" / "train_prompts.jsonl"
+FALLBACK = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
+            "Translate to French: good morning", "What is 12 times 7? Think step by step."] * 3
+
+
+def tokenize(text: str, max_len: int = 48) -> list[int]:
+    return [0] + [1 + b % (V - 1) for b in text.encode()][: max_len - 1]
+
+
+def prompts() -> list[list[int]]:
+    if TRAIN.exists():
+        rows = [json.loads(line) for line in TRAIN.read_text(encoding="utf-8").split("\n")[:12] if line.strip()]
+        return [tokenize(r["prompt"]) for r in rows]
+    return [tokenize(t) for t in FALLBACK]
+
+
+CFG = TrainConfig(steps=30, batch_size=4, seq_len=32, lr=3e-3, warmup=5, vocab_size=96, num_heads=4,
+                  intermediate_size=64, ckpt_every=10, steps_per_shard=5, soft="topk")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("gemma3", V, seed=0, logit_scale=6.0)
+
+
+@pytest.fixture(scope="module")
+def corpus(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    with torch.enable_grad():
+        man = build_corpus(target, prompts(), out, CorpusOptions(topk=8, shard_positions=150, batch_size=2,
+                                                                continuation="sample", new_tokens=8),
+                           progress=False)
+    return out, man
+
+
+@pytest.fixture(scope="module")
+def trained(target, corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    with torch.enable_grad():
+        head, summary = train(target, corpus[0], run, CFG, progress=False, log=lambda *_: None)
+    return run, head, summary
+
+
+def test_corpus_shards_and_resume(target, corpus, tmp_path):
+    out, man = corpus
+    assert man["complete"] and len(man["shards"]) >= 2
+    assert man["positions"] == sum(s["positions"] for s in man["shards"])
+    # an interrupted build (only the first shard on disk) resumes to the identical corpus
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    first = man["shards"][0]
+    (partial / first["file"]).write_bytes((out / first["file"]).read_bytes())
+    m = dict(load_manifest(out), shards=[first], positions=first["positions"],
+             sequences_done=first["sequences"], complete=False)
+    (partial / "manifest.json").write_text(json.dumps(m))
+    resumed = build_corpus(target, prompts(), partial, CorpusOptions(**man["options"]), progress=False)
+    assert [s["positions"] for s in resumed["shards"]] == [s["positions"] for s in man["shards"]]
+    with pytest.raises(ValueError):
+        build_corpus(target, prompts()[:3], partial, CorpusOptions(**man["options"]), progress=False)
+    with pytest.raises(ValueError):
+        check_not_eval("../shared/data/eval/spec_bench.prompts.jsonl")
+
+
+def test_training_learns_and_saves(target, trained):
+    run, head, summary = trained
+    assert summary["step"] == CFG.steps
+    loaded = EagleHead.load(run / "head.safetensors", target)
+    assert torch.equal(loaded.vocab_ids, head.vocab_ids)
+    x = torch.randn(1, 5, 32)
+    toks = torch.randint(0, V, (1, 5))
+    pos = torch.arange(1, 6)[None]
+    assert torch.allclose(loaded(x, toks, pos), head(x, toks, pos))
+
+
+def test_resume_from_checkpoint_continues_exactly(target, corpus, trained, tmp_path):
+    run, head, _ = trained
+    assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-20.pt", "ckpt-30.pt"]  # keep_ckpts = 2
+    # a run interrupted after its step-20 checkpoint, resumed to step 30, equals the uninterrupted run
+    (tmp_path / "ckpt-20.pt").write_bytes((run / "ckpt-20.pt").read_bytes())
+    logs = []
+    with torch.enable_grad():
+        resumed, summary = train(target, corpus[0], tmp_path, CFG, progress=False, log=logs.append)
+    assert "resuming" in logs[0] and summary["step"] == CFG.steps
+    assert summary["positions_this_run"] > 0
+    for (k, a), b in zip(head.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+
+
+def test_restricted_vocabulary_is_exact(target, trained):
+    _, head, _ = trained
+    assert head.vocab_ids.numel() < V
+    drafter = HeadDrafter(head, StaticTreeShape((3, 2), "iid"))
+    prompt = prompts()[0][:10]
+    drafter.begin(prompt)
+    hidden = target.base_model(input_ids=torch.tensor([prompt[:-1]])).last_hidden_state[0]
+    draft = drafter.propose(DraftState(prompt, 4, hidden), SamplingConfig(1.0), torch.Generator().manual_seed(0))
+    q = draft.draft_probs
+    assert q.shape == (draft.tree.num_nodes, V)
+    internal = q[: 1 + 3]  # the root and its 3 children have children
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[head.vocab_ids] = False
+    assert torch.all(q[:, outside] == 0)
+    assert torch.allclose(internal.sum(-1), torch.ones(4), atol=1e-6)
+    assert torch.isin(draft.tree.tokens[1:], head.vocab_ids).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (3, 2, 1)])
+def test_greedy_generation_identical_to_plain(target, trained, shape):
+    _, head, _ = trained
+    cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    for prompt in [prompts()[1][:12], [5], prompts()[2][:3]]:
+        plain = generate(target, prompt, None, cfg).token_ids
+        out = generate(target, prompt, HeadDrafter(head, StaticTreeShape(shape)), cfg)
+        assert out.token_ids == plain
+
+
+def test_output_law_at_t1_is_the_targets(tmp_path):
+    """A head distilled end to end on the vocabulary-6 llama of test_end_to_end_stats, with a
+    vocabulary subset of 4 of the 6 tokens: the law of the first three generated tokens at T=1
+    (tree (3, 2) drafted iid, RRS) equals the exact target law. Seeds 0..N-1, N = 600, G test
+    with cells of expected count < 5 pooled, alpha = 1e-3."""
+    from .test_end_to_end_stats import PROMPT, exact_law
+
+    small = tiny_model("llama", 6, seed=0, logit_scale=6.0)
+    seqs = [[1 + b % 5 for b in p] for p in prompts()]
+    with torch.enable_grad():
+        # no stored soft labels here (topk=0): training takes them from the target's hidden states
+        build_corpus(small, seqs, tmp_path / "c", CorpusOptions(topk=0, shard_positions=10**6), progress=False)
+        head, _ = train(small, tmp_path / "c", tmp_path / "r",
+                        TrainConfig(**{**CFG.__dict__, "steps": 15, "vocab_size": 4, "soft": "subset"}), progress=False,
+                        log=lambda *_: None)
+    assert head.vocab_ids.numel() == 4
+    n, counts = 600, {}
+    for seed in range(n):
+        out = generate(small, PROMPT, HeadDrafter(head, StaticTreeShape((3, 2), "iid")),
+                       GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed, stop_on_eos=False))
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    p_value = g_test(counts, exact_law(small, SamplingConfig(1.0)), n)
+    assert p_value > 1e-3, f"output law differs from the target's (G-test p = {p_value:.2e})"
+
+
+def test_training_on_several_corpora(target, corpus, tmp_path):
+    with torch.enable_grad():
+        _, summary = train(target, [corpus[0], corpus[0]], tmp_path, TrainConfig(**{**CFG.__dict__, "steps": 3}),
+                           progress=False, log=lambda *_: None)
+    assert summary["step"] == 3 and (tmp_path / "head.safetensors").exists()

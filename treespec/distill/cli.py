@@ -1,0 +1,170 @@
+"""``python -m treespec.distill build-corpus | train | evaluate`` on the embedded Gemma-3-270M (or any HF LM).
+
+Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
+otherwise: corpora in ``corpus/<name>``, runs (checkpoints, ``head.safetensors``) in ``runs/<name>``.
+Every command resumes: re-run the same command after an interruption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+DEFAULT_TRAIN = "../shared/data/train/train_prompts.jsonl"
+DEFAULT_EVAL = "../shared/data/eval/spec_bench.prompts.jsonl"
+
+
+def _root():
+    from .train import distill_root
+
+    return distill_root()
+
+
+def _tokenize(tokenizer, rows: list[dict], max_len: int) -> list[list[int]]:
+    seqs = []
+    for r in rows:
+        ids = tokenizer(r["prompt"])["input_ids"]
+        seqs.append(ids[:max_len])
+    return seqs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m treespec.distill", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--target", default="embedded", help="target model ('embedded' = Gemma-3-270M, or HF path)")
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="target dtype (auto: bf16 only where the CPU computes it natively)")
+        p.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads (1 on a shared 2-core machine: 2 threads under contention "
+                            "were measured ~100x slower on small element-wise ops)")
+        p.add_argument("--no-progress", action="store_true")
+
+    b = sub.add_parser("build-corpus", help="teacher-forced target forwards on train prompts -> shards")
+    common(b)
+    b.add_argument("--prompts", default=DEFAULT_TRAIN, help="train prompts jsonl (never the eval set)")
+    b.add_argument("--name", default="train", help="corpus name (directory under the cache) ...")
+    b.add_argument("--out", default=None, help="... or an explicit directory")
+    b.add_argument("--max-prompts", type=int, default=None)
+    b.add_argument("--max-len", type=int, default=512, help="prompt tokens kept (BOS included)")
+    b.add_argument("--topk", type=int, default=32, help="top-k soft labels stored (0: none, ~2x faster)")
+    b.add_argument("--shard-positions", type=int, default=50_000)
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--continuation", choices=["none", "greedy", "sample"], default="none",
+                   help="append the target's own continuation (greedy or T=1) to each prompt")
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--time-limit", type=float, default=None, help="minutes; stops after a finished shard")
+
+    t = sub.add_parser("train", help="train (or resume) a head on a corpus")
+    common(t)
+    t.add_argument("--corpus", default="train", help="corpus name under the cache, or a directory; several: comma-separated")
+    t.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
+    t.add_argument("--run-dir", default=None, help="... or an explicit directory")
+    t.add_argument("--init-head", default=None, help="start a new run from these head weights")
+    t.add_argument("--export", default=None, help="also copy the final head here (e.g. fp16 for shipping)")
+    t.add_argument("--export-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    t.add_argument("--device", default=None)
+    t.add_argument("--time-limit", type=float, default=None, help="minutes")
+    from .train import TrainConfig
+
+    for field, default in TrainConfig().__dict__.items():
+        if field == "time_limit_s":
+            continue
+        kind = type(default) if default is not None else int
+        t.add_argument("--" + field.replace("_", "-"), type=kind, default=default)
+
+    e = sub.add_parser("evaluate", help="agreement / acceptance / cost on held-out Spec-Bench prompts")
+    common(e)
+    e.add_argument("--head", default=None, help="head .safetensors (default: the run's head.safetensors)")
+    e.add_argument("--run", default="gemma3-270m-head")
+    e.add_argument("--prompts", default=DEFAULT_EVAL)
+    e.add_argument("--num-prompts", type=int, default=24)
+    e.add_argument("--max-prompt-len", type=int, default=512)
+    e.add_argument("--new-tokens", type=int, default=64)
+    e.add_argument("--tau", action="store_true", help="also tau of a chain of 4 in the engine (T=0, T=1)")
+    e.add_argument("--tau-prompts", type=int, default=8)
+    e.add_argument("--json", default=None, help="write the metrics here too")
+    return ap
+
+
+def _corpus_dir(name_or_dir: str) -> Path:
+    p = Path(name_or_dir)
+    return p if (p / "manifest.json").exists() or p.is_absolute() or "/" in name_or_dir else _root() / "corpus" / name_or_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from ..models.loading import load_model, load_tokenizer
+
+    if args.command == "build-corpus":
+        from .corpus import CorpusOptions, build_corpus, check_not_eval, order_for_batching, read_prompts
+
+        check_not_eval(args.prompts)
+        rows = read_prompts(args.prompts, limit=args.max_prompts, seed=args.seed)
+        tok = load_tokenizer(args.target)
+        seqs = order_for_batching(_tokenize(tok, rows, args.max_len)) if args.batch_size > 1 else \
+            _tokenize(tok, rows, args.max_len)
+        model = load_model(args.target, dtype=args.dtype)
+        out = Path(args.out) if args.out else _root() / "corpus" / args.name
+        opts = CorpusOptions(topk=args.topk, shard_positions=args.shard_positions, batch_size=args.batch_size,
+                             continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed)
+        man = build_corpus(model, seqs, out, opts, progress=not args.no_progress,
+                           time_limit_s=None if args.time_limit is None else args.time_limit * 60)
+        print(json.dumps({"corpus": str(out), "positions": man["positions"], "sequences": man["sequences_done"],
+                          "of": man["num_input_sequences"], "complete": man["complete"],
+                          "positions_per_s": man["positions"] / max(man["seconds"], 1e-9)}, indent=1))
+    elif args.command == "train":
+        from .train import TrainConfig, train
+
+        fields = {k: getattr(args, k) for k in TrainConfig().__dict__ if k != "time_limit_s"}
+        cfg = TrainConfig(**fields, time_limit_s=None if args.time_limit is None else args.time_limit * 60)
+        model = load_model(args.target, dtype=args.dtype)
+        run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
+        corpora = [_corpus_dir(c) for c in args.corpus.split(",")]
+        head, summary = train(model, corpora if len(corpora) > 1 else corpora[0], run_dir, cfg, init_head=args.init_head,
+                              progress=not args.no_progress, device=args.device)
+        if args.export:
+            head.save(args.export, dtype=getattr(torch, args.export_dtype), extra={"summary": summary})
+        print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
+    else:
+        from ..drafting.head import EagleHead
+        from .corpus import read_prompts
+        from .evaluate import chain_tau, one_step_metrics, step_cost, target_generations
+
+        model = load_model(args.target, dtype=args.dtype)
+        tok = load_tokenizer(args.target)
+        path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
+        head = EagleHead.load(path, model)
+        rows = read_prompts(args.prompts, limit=args.num_prompts, seed=1234)
+        prompts = [p[-args.max_prompt_len:] if len(p) > args.max_prompt_len else p
+                   for p in _tokenize(tok, rows, 10**9)]
+        cache = _root() / "eval-cache"
+        greedy = target_generations(model, prompts, args.new_tokens, 0.0, cache=cache,
+                                    progress=not args.no_progress)
+        sampled = target_generations(model, prompts, args.new_tokens, 1.0, cache=cache,
+                                     progress=not args.no_progress)
+        m0 = one_step_metrics(model, head, prompts, greedy)
+        m1 = one_step_metrics(model, head, prompts, sampled)
+        result = {"head": path, "prompts": len(prompts), "positions_T0": m0["positions"],
+                  "top1_agreement_T0": m0["top1_agreement"], "positions_T1": m1["positions"],
+                  "sum_min_pq_T1": m1["sum_min_pq"], "trained_parameters": head.num_trained_parameters,
+                  "vocab_subset": int(head.vocab_ids.numel()), "step_cost": step_cost(model, head),
+                  "threads": args.threads, "dtype": str(next(model.parameters()).dtype)}
+        if args.tau:
+            tp = prompts[: args.tau_prompts]
+            result["tau_chain4_T0"] = chain_tau(model, head, tp, 4, 0.0, args.new_tokens)
+            result["tau_chain4_T1"] = chain_tau(model, head, tp, 4, 1.0, args.new_tokens)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

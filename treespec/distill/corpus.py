@@ -1,0 +1,228 @@
+"""Distillation corpus: teacher-forced target forwards, sharded to disk, resumable.
+
+For every token sequence (a train prompt, optionally followed by the target's own continuation) the
+target runs one teacher-forced forward; per position ``j`` the shard keeps
+
+* ``hidden``   ``[N, H]`` bf16: the target's last hidden state (post final norm) at ``j``;
+* ``tokens``   ``[N]`` int32: ``x_j``;
+* ``topk_ids`` ``[N, k]`` int32 and ``topk_logp`` ``[N, k]`` float16: the target's top-k next-token
+  log-probabilities at ``j`` (full-vocabulary softmax, soft-capping included);
+* ``offsets``  ``[S + 1]`` int64: where each sequence starts; ``gen_start`` ``[S]`` int64: the first
+  position written by the target (= sequence length when there is no continuation);
+* ``counts``   ``[V]`` float32: per token, occurrences as a next token plus top-k probability mass
+  (used to choose the draft's vocabulary subset).
+
+Shards are written to a temporary name and renamed; ``manifest.json`` (also replaced atomically)
+lists finished shards and how many input sequences they consumed, so an interrupted build resumes
+after the last finished shard. The manifest records a fingerprint of the input sequences and
+options; resuming with different inputs is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+CORPUS_FORMAT = 1
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def check_not_eval(path: str | Path) -> Path:
+    """Refuse evaluation data as training input (the eval set is used only to measure)."""
+    p = Path(path).resolve()
+    parts = p.parts
+    if any(a == "data" and b == "eval" for a, b in zip(parts, parts[1:])) or "eval" in p.name.lower() \
+            or "spec_bench" in p.name or "humaneval" in p.name.lower():
+        raise ValueError(f"{path}: evaluation data must never be used to build a training corpus")
+    return p
+
+
+def read_prompts(path: str | Path, *, limit: int | None = None, seed: int = 0) -> list[dict]:
+    """Rows of a ``{"prompt": ...}`` jsonl file in a seeded random order (the first ``limit``)."""
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
+    random.Random(seed).shuffle(rows)
+    return rows[:limit] if limit else rows
+
+
+def order_for_batching(seqs: list[list[int]], window: int = 64) -> list[list[int]]:
+    """Sort by length inside consecutive windows (less padding, order still deterministic)."""
+    out = []
+    for i in range(0, len(seqs), window):
+        out.extend(sorted(seqs[i:i + window], key=len))
+    return out
+
+
+@dataclass(frozen=True)
+class CorpusOptions:
+    topk: int = 32
+    shard_positions: int = 100_000  # a shard is closed once it holds at least this many positions
+    batch_size: int = 4  # sequences per teacher-forced forward
+    logits_chunk: int = 256  # positions per full-vocabulary logits block (memory bound)
+    continuation: str = "none"  # "none" | "greedy" | "sample" (temperature 1)
+    new_tokens: int = 64  # continuation length
+    seed: int = 0
+
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's LM head (+ final soft-capping) in float32."""
+    logits = model.get_output_embeddings()(hidden).float()
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _fingerprint(seqs: list[list[int]], opts: CorpusOptions) -> str:
+    h = hashlib.sha256(json.dumps(opts.__dict__, sort_keys=True).encode())
+    for s in seqs:
+        h.update(len(s).to_bytes(4, "little"))
+        h.update(torch.tensor(s, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_manifest(out_dir: str | Path) -> dict:
+    return json.loads((Path(out_dir) / MANIFEST).read_text())
+
+
+def _continue(model, seq: list[int], opts: CorpusOptions, index: int) -> list[int]:
+    from ..generate import GenerationConfig, generate
+    from ..sampling import SamplingConfig
+
+    temp = 0.0 if opts.continuation == "greedy" else 1.0
+    cfg = GenerationConfig(max_new_tokens=opts.new_tokens, sampling=SamplingConfig(temp),
+                           seed=opts.seed * 1_000_003 + index, stop_on_eos=True)
+    return generate(model, seq, None, cfg).token_ids
+
+
+@torch.no_grad()
+def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: CorpusOptions = CorpusOptions(), *,
+                 progress: bool = True, time_limit_s: float | None = None) -> dict:
+    """Teacher-force ``model`` on ``seqs`` (token-id lists, each >= 2 tokens) into shards in ``out_dir``.
+
+    Resumes an interrupted build. Stops cleanly (after a finished shard) when ``time_limit_s`` is
+    spent; call again to continue. Returns the manifest.
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    if opts.continuation not in ("none", "greedy", "sample"):
+        raise ValueError(f"continuation must be none / greedy / sample, got {opts.continuation!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seqs = [list(map(int, s)) for s in seqs if len(s) >= 2]
+    fp = _fingerprint(seqs, opts)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    hidden_size = model.get_input_embeddings().weight.shape[1]
+    mpath = out / MANIFEST
+    if mpath.exists():
+        manifest = json.loads(mpath.read_text())
+        if manifest["fingerprint"] != fp:
+            raise ValueError(f"{out} holds a corpus built from other inputs or options; use another directory")
+    else:
+        manifest = {"format": CORPUS_FORMAT, "fingerprint": fp, "options": opts.__dict__, "vocab_size": vocab,
+                    "hidden_size": hidden_size, "num_input_sequences": len(seqs), "shards": [],
+                    "positions": 0, "sequences_done": 0, "seconds": 0.0, "complete": False}
+        atomic_write_text(mpath, json.dumps(manifest, indent=1))
+    device = next(model.parameters()).device
+    done = manifest["sequences_done"]
+    start_time = time.perf_counter()
+    bar = tqdm(total=len(seqs), initial=done, unit="seq", desc="corpus", disable=not progress)
+    buf: dict[str, list] = {"hidden": [], "tokens": [], "ids": [], "logp": [], "lens": [], "gen": []}
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    buf_positions, buf_seqs, t_shard = 0, 0, time.perf_counter()
+
+    def flush() -> None:
+        nonlocal buf_positions, buf_seqs, counts, t_shard
+        idx = len(manifest["shards"])
+        name = f"shard-{idx:05d}.safetensors"
+        lens = torch.tensor(buf["lens"], dtype=torch.int64)
+        tensors = {
+            "hidden": torch.cat(buf["hidden"]).to(torch.bfloat16).contiguous(),
+            "tokens": torch.cat(buf["tokens"]).to(torch.int32).contiguous(),
+            "topk_ids": torch.cat(buf["ids"]).to(torch.int32).contiguous(),
+            "topk_logp": torch.cat(buf["logp"]).to(torch.float16).contiguous(),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+            "gen_start": torch.tensor(buf["gen"], dtype=torch.int64),
+            "counts": counts.float(),
+        }
+        tmp = out / f".{name}.tmp{os.getpid()}"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, out / name)
+        manifest["shards"].append({"file": name, "sequences": buf_seqs, "positions": buf_positions})
+        manifest["positions"] += buf_positions
+        manifest["sequences_done"] += buf_seqs
+        manifest["seconds"] += time.perf_counter() - t_shard
+        atomic_write_text(mpath, json.dumps(manifest, indent=1))
+        for v in buf.values():
+            v.clear()
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        buf_positions, buf_seqs, t_shard = 0, 0, time.perf_counter()
+
+    i = done
+    while i < len(seqs):
+        if time_limit_s is not None and time.perf_counter() - start_time > time_limit_s:
+            if buf_seqs:
+                flush()
+            break
+        batch = seqs[i:i + opts.batch_size]
+        full, gen_start = [], []
+        for k, s in enumerate(batch):
+            cont = _continue(model, s, opts, i + k) if opts.continuation != "none" else []
+            full.append(s + cont)
+            gen_start.append(len(s))
+        lens = [len(s) for s in full]
+        t = max(lens)
+        ids = torch.zeros(len(full), t, dtype=torch.long)
+        att = torch.zeros(len(full), t, dtype=torch.long)
+        for k, s in enumerate(full):
+            ids[k, : len(s)] = torch.tensor(s)
+            att[k, : len(s)] = 1
+        hidden = model.base_model(input_ids=ids.to(device), attention_mask=att.to(device)).last_hidden_state
+        for k, s in enumerate(full):
+            h = hidden[k, : len(s)]
+            top_ids, top_lp = ([], []) if opts.topk else ([torch.zeros(len(s), 0, dtype=torch.long)],
+                                                          [torch.zeros(len(s), 0)])
+            for c in range(0, len(s) if opts.topk else 0, opts.logits_chunk):  # topk 0: no logits at all
+                logp = torch.log_softmax(lm_logits(model, h[c:c + opts.logits_chunk]), dim=-1)
+                v, j = torch.topk(logp, opts.topk, dim=-1)
+                top_ids.append(j.cpu())
+                top_lp.append(v.cpu())
+            top_ids, top_lp = torch.cat(top_ids), torch.cat(top_lp)
+            x = torch.tensor(s)
+            counts.index_add_(0, x[1:], torch.ones(len(s) - 1, dtype=torch.float64))
+            counts.index_add_(0, top_ids.flatten(), top_lp.double().exp().flatten())
+            buf["hidden"].append(h.float().cpu())
+            buf["tokens"].append(x)
+            buf["ids"].append(top_ids)
+            buf["logp"].append(top_lp)
+            buf["lens"].append(len(s))
+            buf["gen"].append(gen_start[k])
+            buf_positions += len(s)
+        buf_seqs += len(batch)
+        i += len(batch)
+        bar.update(len(batch))
+        elapsed = manifest["seconds"] + time.perf_counter() - t_shard
+        bar.set_postfix(pos=manifest["positions"] + buf_positions,
+                        pos_s=f"{(manifest['positions'] + buf_positions) / max(elapsed, 1e-9):.0f}")
+        if buf_positions >= opts.shard_positions:
+            flush()
+    if buf_seqs:
+        flush()
+    bar.close()
+    manifest["complete"] = manifest["sequences_done"] >= len(seqs)
+    atomic_write_text(mpath, json.dumps(manifest, indent=1))
+    return manifest

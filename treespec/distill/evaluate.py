@@ -1,0 +1,114 @@
+"""Measuring a draft head against its target on held-out prompts (used only to measure).
+
+* ``top1_agreement`` (T=0): over the positions of the target's own greedy continuations, how often
+  the head's most likely token equals the target's;
+* ``acceptance_t1`` (T=1): over the positions of the target's sampled (T=1) continuations, the
+  mean single-draft acceptance ``sum_x min(p(x), q(x))``;
+both teacher-forced, one step ahead from the target's true hidden state (the head's first level).
+* ``step_cost``: one head step (one token, with cache, subset logits) / one target step (one token,
+  with cache, full logits), median wall time on this machine.
+* ``tau`` (optional): tokens per target pass of a chain in the engine at T=0 and T=1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..drafting.head import EagleHead, HeadDrafter
+from .corpus import atomic_write_text, lm_logits
+
+
+@torch.no_grad()
+def target_generations(model, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int = 0,
+                       cache: str | Path | None = None, progress: bool = True) -> list[list[int]]:
+    """The target's continuations (plain decoding, our engine); cached in a JSON file when ``cache``."""
+    from tqdm import tqdm
+
+    from ..generate import GenerationConfig, generate
+    from ..sampling import SamplingConfig
+
+    key = hashlib.sha256(json.dumps([prompts, new_tokens, temperature, seed]).encode()).hexdigest()[:16]
+    if cache is not None:
+        path = Path(cache) / f"gens-{key}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    gens = []
+    for i, p in enumerate(tqdm(prompts, desc=f"target generations T={temperature}", disable=not progress)):
+        cfg = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingConfig(temperature), seed=seed + i)
+        gens.append(generate(model, p, None, cfg).token_ids)
+    if cache is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(gens))
+    return gens
+
+
+@torch.no_grad()
+def one_step_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[list[int]]) -> dict:
+    """Top-1 agreement and sum min(p, q) (T=1) of the head's first level over generated positions."""
+    agree, accept, n = 0.0, 0.0, 0
+    device = head.fc.weight.device
+    for prompt, gen in zip(prompts, gens):
+        if not gen:
+            continue
+        seq = torch.tensor(prompt + gen, device=device)
+        h = model.base_model(input_ids=seq[None]).last_hidden_state[0].float()  # [n, H]
+        feats = head(h[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=device)[None])[0]
+        lo, hi = max(len(prompt) - 1, 1), seq.numel() - 1  # positions j predicting generated tokens
+        p = torch.softmax(lm_logits(model, h[lo:hi]), dim=-1)  # [g, V]
+        q_sub = torch.softmax(head.logits(feats[lo - 1:hi - 1]), dim=-1)  # feats[j - 1] is position j
+        agree += float((head.vocab_ids[q_sub.argmax(-1)] == p.argmax(-1)).sum())
+        accept += float(torch.minimum(p[:, head.vocab_ids], q_sub).sum())
+        n += hi - lo
+    return {"positions": n, "top1_agreement": agree / max(n, 1), "sum_min_pq": accept / max(n, 1)}
+
+
+@torch.no_grad()
+def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dict:
+    """Median seconds of one target step and one head step (one token each, with cache)."""
+    from ..drafting.model import StaticTreeShape
+    from ..models.runner import ModelRunner
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, head.cfg.target_vocab_size, (context + reps + 1,), generator=g)
+    runner = ModelRunner(model)
+    h = runner.forward(None, None, ids[:context], need_hidden=True)["hidden"]
+    drafter = HeadDrafter(head, StaticTreeShape((1,)))
+    drafter._step(h[:-1], ids[1:context], torch.arange(1, context), torch.ones(context - 1, context - 1,
+                                                                                 dtype=torch.bool).tril())
+    drafter.length = context - 1
+    t_target, t_head = [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        out = runner.forward(None, None, ids[context + i:context + i + 1], need_hidden=True)
+        t1 = time.perf_counter()
+        f = drafter._step(out["hidden"], ids[context + i:context + i + 1],
+                          torch.tensor([context + i]), torch.ones(1, 1, dtype=torch.bool))
+        head.logits(f)
+        drafter.length += 1
+        t2 = time.perf_counter()
+        t_target.append(t1 - t0)
+        t_head.append(t2 - t1)
+    tt, th = statistics.median(t_target), statistics.median(t_head)
+    return {"target_step_s": tt, "head_step_s": th, "fraction": th / tt}
+
+
+@torch.no_grad()
+def chain_tau(model, head: EagleHead, prompts: list[list[int]], depth: int = 4, temperature: float = 0.0,
+              new_tokens: int = 64, seed: int = 0) -> float:
+    from ..drafting.model import StaticTreeShape
+    from ..generate import GenerationConfig, generate
+    from ..sampling import SamplingConfig
+
+    emitted, calls = 0, 0
+    for i, p in enumerate(prompts):
+        cfg = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingConfig(temperature), seed=seed + i)
+        out = generate(model, p, HeadDrafter(head, StaticTreeShape.chain(depth)), cfg)
+        emitted += len(out.token_ids)
+        calls += out.target_calls
+    return emitted / max(calls, 1)

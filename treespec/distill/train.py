@@ -1,0 +1,320 @@
+"""Distilling an :class:`~treespec.drafting.head.EagleHead` from a corpus built by :mod:`.corpus`.
+
+Training example at position ``j`` of a corpus sequence: input ``(h_{j-1}, x_j)``, targets
+
+* soft: the target's next-token distribution at ``j``; ``soft="subset"`` (default) recomputes it
+  exactly on the draft's vocabulary subset from the stored ``h_j`` (the head's LM rows *are* the
+  target's), renormalised there; ``soft="topk"`` uses the stored top-k log-probabilities
+  (renormalised over the top-k tokens inside the subset);
+* hard: the corpus token ``x_{j+1}`` (cross-entropy, skipped when outside the subset);
+* feature: ``h_j`` (the head's output feature should imitate it: relative MSE).
+
+Batches are random windows of random sequences; which shard and which windows a step uses is a
+pure function of (seed, step), so resuming from a checkpoint continues the identical stream.
+Checkpoints (head + optimizer + step) are written atomically every ``ckpt_every`` steps under the
+run directory (default ``~/.cache/treespec/distill/runs/<name>``), outside the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..drafting.head import EagleHead, HeadConfig, new_head
+from .corpus import load_manifest
+
+
+def distill_root() -> Path:
+    from ..models.loading import cache_root
+
+    return cache_root() / "distill"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8  # windows per step
+    seq_len: int = 256  # positions per window
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    w_soft: float = 1.0
+    w_hard: float = 0.1
+    w_feat: float = 0.5
+    soft: str = "subset"  # "subset" | "topk"
+    vocab_size: int = 16384  # draft vocabulary subset size
+    num_heads: int = 8
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    feature_noise: float = 0.0  # uniform noise on input features (EAGLE), relative to their RMS
+    steps_per_shard: int = 50  # consecutive steps drawn from one shard (fewer loads)
+    ckpt_every: int = 200
+    keep_ckpts: int = 2
+    seed: int = 0
+    amp: str = "auto"  # "auto" | "bf16" | "off"
+    time_limit_s: float | None = None
+
+
+def autocast_for(device: torch.device, amp: str):
+    from ..models.loading import cpu_supports_bf16
+
+    if amp == "off":
+        return nullcontext(), "fp32"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.autocast("cuda", dtype=torch.bfloat16), "bf16"
+        return nullcontext(), "fp32"
+    if amp == "bf16" or (amp == "auto" and cpu_supports_bf16()):
+        return torch.autocast("cpu", dtype=torch.bfloat16), "bf16"
+    return nullcontext(), "fp32"
+
+
+def corpus_shards(corpus_dir) -> list[tuple[Path, dict]]:
+    """(file, shard entry) of every finished shard of one corpus directory or a list of them."""
+    dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
+    return [(Path(d) / sh["file"], sh) for d in dirs for sh in load_manifest(d)["shards"]]
+
+
+def choose_vocab(corpus_dir, size: int, always: list[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent target tokens of the corpus (next tokens + top-k mass), sorted ids."""
+    from safetensors import safe_open
+
+    first = corpus_dir if isinstance(corpus_dir, (str, Path)) else corpus_dir[0]
+    man = load_manifest(first)
+    counts = torch.zeros(man["vocab_size"], dtype=torch.float64)
+    for path, _ in corpus_shards(corpus_dir):
+        with safe_open(str(path), framework="pt") as fh:
+            counts += fh.get_tensor("counts").double()
+    for t in always:
+        counts[t] = float("inf")
+    size = min(size, man["vocab_size"])
+    top = torch.topk(counts, size).indices
+    top = top[counts[top] > 0]
+    return torch.sort(top).values
+
+
+class ShardSampler:
+    """Deterministic (seed, step) -> batch of windows; keeps one shard in memory."""
+
+    def __init__(self, corpus_dir: str | Path, cfg: TrainConfig) -> None:
+        self.shards = corpus_shards(corpus_dir)
+        if not self.shards:
+            raise ValueError(f"{corpus_dir}: the corpus has no shards yet")
+        self.cfg = cfg
+        w = torch.tensor([s["positions"] for _, s in self.shards], dtype=torch.float64)
+        self.weights = w / w.sum()
+        self._loaded: tuple[int, dict] | None = None
+
+    def _shard(self, i: int) -> dict:
+        from safetensors.torch import load_file
+
+        if self._loaded is None or self._loaded[0] != i:
+            self._loaded = (i, load_file(str(self.shards[i][0])))
+        return self._loaded[1]
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step // cfg.steps_per_shard)
+        shard = self._shard(int(torch.multinomial(self.weights, 1, generator=g)))
+        g = torch.Generator().manual_seed(cfg.seed * 7_919 + step * 2 + 1)
+        off = shard["offsets"]
+        lens = off[1:] - off[:-1]
+        usable = torch.nonzero(lens >= 2).flatten()
+        pick = usable[torch.randint(len(usable), (cfg.batch_size,), generator=g)]
+        rows = []
+        for s in pick.tolist():
+            n = int(lens[s])
+            t = min(cfg.seq_len, n - 1)  # examples j = start+1 .. start+t
+            start = int(torch.randint(n - t, (1,), generator=g))  # window of positions [start, start + t]
+            rows.append((int(off[s]) + start, t, start))
+        T = max(t for _, t, _ in rows)
+        B = len(rows)
+        H = shard["hidden"].shape[1]
+        k = shard["topk_ids"].shape[1]
+        out = {"hidden_in": torch.zeros(B, T, H), "hidden_out": torch.zeros(B, T, H),
+               "tokens": torch.zeros(B, T, dtype=torch.long), "next": torch.full((B, T), -1, dtype=torch.long),
+               "topk_ids": torch.zeros(B, T, k, dtype=torch.long), "topk_logp": torch.full((B, T, k), -math.inf),
+               "positions": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool)}
+        for b, (a, t, start) in enumerate(rows):
+            seq_end = int(off[torch.searchsorted(off, a, right=True)])  # end of this sequence
+            out["hidden_in"][b, :t] = shard["hidden"][a:a + t].float()
+            out["hidden_out"][b, :t] = shard["hidden"][a + 1:a + 1 + t].float()
+            out["tokens"][b, :t] = shard["tokens"][a + 1:a + 1 + t].long()
+            nxt = shard["tokens"][a + 2:min(a + 2 + t, seq_end)].long()
+            out["next"][b, :nxt.numel()] = nxt
+            out["topk_ids"][b, :t] = shard["topk_ids"][a + 1:a + 1 + t].long()
+            out["topk_logp"][b, :t] = shard["topk_logp"][a + 1:a + 1 + t].float()
+            out["positions"][b, :t] = torch.arange(start + 1, start + 1 + t)
+            out["mask"][b, :t] = True
+        return out
+
+
+def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: torch.Tensor,
+                   autocast=nullcontext()) -> dict[str, torch.Tensor]:
+    device = head.fc.weight.device
+    b = {k: v.to(device) for k, v in batch.items()}
+    hin = b["hidden_in"]
+    if cfg.feature_noise > 0 and head.training:
+        rms = hin.pow(2).mean(-1, keepdim=True).sqrt()
+        hin = hin + (torch.rand_like(hin) * 2 - 1) * cfg.feature_noise * rms
+    with autocast:
+        feat = head(hin, b["tokens"], b["positions"], b["mask"])
+    m = b["mask"]
+    feat = feat.float()[m]  # [P, H]
+    logq = torch.log_softmax(head.logits(feat), dim=-1)  # [P, |S|]
+    target_h = b["hidden_out"][m]
+    losses = {}
+    if cfg.soft == "subset":
+        with torch.no_grad():
+            p = torch.softmax(head.logits(target_h), dim=-1)
+        losses["soft"] = -(p * logq).sum(-1).mean()
+        k = b["topk_ids"].shape[-1]
+        target_top1 = b["topk_ids"][m][:, 0] if k else head.vocab_ids[p.argmax(-1)]
+    else:
+        ids = b["topk_ids"][m]  # [P, k]
+        sub = sub_index[ids]
+        w = b["topk_logp"][m].exp() * (sub >= 0)
+        w = w / w.sum(-1, keepdim=True).clamp(min=1e-12)
+        losses["soft"] = -(w * logq.gather(1, sub.clamp(min=0))).sum(-1).mean()
+        target_top1 = ids[:, 0]
+    nxt = b["next"][m]
+    hard = torch.where(nxt >= 0, sub_index[nxt.clamp(min=0)], -1)
+    losses["hard"] = F.cross_entropy(logq, hard, ignore_index=-1) if bool((hard >= 0).any()) else logq.sum() * 0
+    losses["feat"] = (feat - target_h).pow(2).mean() / target_h.pow(2).mean().clamp(min=1e-12)
+    losses["total"] = cfg.w_soft * losses["soft"] + cfg.w_hard * losses["hard"] + cfg.w_feat * losses["feat"]
+    with torch.no_grad():
+        losses["agree"] = (head.vocab_ids[logq.argmax(-1)] == target_top1).float().mean()
+    return losses
+
+
+def _lr(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min((step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1), 1.0)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    run_dir = Path(run_dir)
+    ckpts = sorted(run_dir.glob("ckpt-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
+          init_head: str | Path | None = None, progress: bool = True, device: str | torch.device | None = None,
+          log=print) -> tuple[EagleHead, dict]:
+    """Train (or resume) a head; returns (head, summary). ``run_dir`` holds checkpoints + ``head.safetensors``.
+
+    ``corpus_dir``: one corpus directory or a list (shards drawn in proportion to their positions).
+
+    Resumes from the newest checkpoint in ``run_dir`` when there is one (its config's model
+    fields win); ``init_head`` starts a new run from existing head weights (e.g. the shipped draft).
+    """
+    from tqdm import tqdm
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = target.to(device)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
+    mans = [load_manifest(d) for d in dirs]
+    for man in mans:
+        if man["vocab_size"] != vocab or man["hidden_size"] != target.get_input_embeddings().weight.shape[1]:
+            raise ValueError("the corpus was built with another target")
+    man = {"positions": sum(m["positions"] for m in mans)}
+    ckpt_path = latest_checkpoint(run_dir)
+    state = None
+    if ckpt_path is not None:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
+        head.load_state_dict(state["head"])
+        head.attach(target)
+        log(f"resuming from {ckpt_path} (step {state['step']})")
+    elif init_head is not None:
+        head = EagleHead.load(init_head, target)
+    else:
+        from ..generate import eos_token_ids
+
+        ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)))
+        head = new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                        intermediate_size=cfg.intermediate_size, seed=cfg.seed)
+    head = head.to(device).float()
+    head.attach(target)
+    sampler = ShardSampler(corpus_dir, cfg)
+    if state is None and init_head is None:
+        # start the output feature at the corpus' per-channel scale of h (measured on Gemma-3-270M:
+        # per-channel RMS 1.8..43, median 2.7, while its final norm's gains are 0.19..301, median 9.2)
+        h = sampler._shard(0)["hidden"][:20000].float()
+        with torch.no_grad():
+            head.out_norm.weight.copy_(h.pow(2).mean(0).sqrt().to(device))
+    sub_index = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel(), device=device)
+    torch.manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step = 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+    autocast, precision = autocast_for(device, cfg.amp)
+    log(f"head: {head.num_trained_parameters / 1e6:.2f}M trained parameters, vocabulary subset "
+        f"{head.vocab_ids.numel()}, {precision}, device {device}, corpus {man['positions']} positions")
+
+    def save_ckpt() -> Path:
+        path = run_dir / f"ckpt-{step}.pt"
+        _atomic_torch_save({"step": step, "head": head.state_dict(), "vocab_ids": head.vocab_ids.cpu(),
+                            "head_config": asdict(head.cfg), "optimizer": opt.state_dict(),
+                            "train_config": asdict(cfg), "corpus": [str(d) for d in dirs]}, path)
+        for old in sorted(run_dir.glob("ckpt-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-cfg.keep_ckpts]:
+            old.unlink(missing_ok=True)
+        return path
+
+    head.train()
+    t0, positions, ema = time.perf_counter(), 0, {}
+    bar = tqdm(total=cfg.steps, initial=step, unit="step", desc="train", disable=not progress)
+    while step < cfg.steps:
+        if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
+            break
+        batch = sampler.batch(step)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg)
+        losses = compute_losses(head, batch, cfg, sub_index, autocast)
+        opt.zero_grad(set_to_none=True)
+        losses["total"].backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        positions += int(batch["mask"].sum())
+        for k in ("total", "soft", "feat", "agree"):
+            v = float(losses[k].detach())
+            ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema['total']:.3f}", soft=f"{ema['soft']:.3f}", feat=f"{ema['feat']:.3f}",
+                        agree=f"{ema['agree']:.3f}", pos_s=f"{positions / (time.perf_counter() - t0):.0f}")
+        if step % cfg.ckpt_every == 0:
+            save_ckpt()
+    bar.close()
+    save_ckpt()
+    head.eval()
+    elapsed = time.perf_counter() - t0
+    summary = {"step": step, "positions_this_run": positions, "seconds_this_run": elapsed,
+               "positions_per_s": positions / max(elapsed, 1e-9), "ema": ema, "precision": precision,
+               "trained_parameters": head.num_trained_parameters, "vocab_subset": int(head.vocab_ids.numel())}
+    head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "summary": summary})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return head, summary
