@@ -91,6 +91,8 @@ def build_methods(model, draft, args) -> list:
         ts_method("ts_plain", model, lambda: None),
         hf_method("hf_prompt_lookup", model, counter, prompt_lookup_num_tokens=args.lookup_tokens),
         ts_method("ts_ngram_chain", model, lambda: NgramDrafter(NgramConfig(depth=args.ngram_depth, branches=1))),
+        ts_method("ts_ngram_adaptive", model, lambda: NgramDrafter(NgramConfig(
+            depth=args.ngram_depth, branches=1, adaptive=True))),
         ts_method("ts_ngram_tree", model, lambda: NgramDrafter(NgramConfig(
             depth=args.ngram_depth, branches=args.ngram_branches, max_nodes=args.ngram_nodes))),
     ]

@@ -100,10 +100,11 @@ def test_first_three_tokens_follow_target_law(models, case):
     assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
 
 
-def test_ngram_candidates_follow_target_law(models):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_candidates_follow_target_law(models, adaptive):
     target, _ = models
-    counts = sample_counts(target, lambda: NgramDrafter(NgramConfig(min_ngram=1, depth=2, branches=3)),
-                           "deterministic", T1)
+    config = NgramConfig(min_ngram=1, depth=2, branches=3, adaptive=adaptive, start_depth=1)
+    counts = sample_counts(target, lambda: NgramDrafter(config), "deterministic", T1)
     assert g_test(counts, exact_law(target, T1), N) > ALPHA
 
 

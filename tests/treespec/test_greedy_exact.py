@@ -20,6 +20,7 @@ DRAFTS = {
     # the target drafting for itself: every draft is accepted, so long paths and leaf commits are exercised
     "self_tree": lambda arch: ModelDrafter(tiny_model(arch, 64, seed=0, logit_scale=8), StaticTreeShape((3, 2, 1))),
     "ngram": lambda arch: NgramDrafter(NgramConfig(depth=5, branches=3)),
+    "ngram_adaptive": lambda arch: NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True, start_depth=2)),
 }
 
 
@@ -86,3 +87,17 @@ def test_caches_after_generation_equal_fresh_prefill(temperature):
         for mine, ref in zip(runner.cache.layers, fresh.cache.layers):
             torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=0)
             torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=0)
+
+
+def test_adaptive_ngram_depth_follows_acceptance():
+    from treespec.verify import VerifyResult
+
+    drafter = NgramDrafter(NgramConfig(depth=6, branches=1, adaptive=True, start_depth=3))
+    drafter.begin([1, 2, 3, 1, 2])
+    drafter._proposed_depth = 3
+    drafter.accept(VerifyResult([1, 2, 3], [3, 1, 2], 3, True), [3, 1, 2, 3])
+    assert drafter.depth == 5
+    drafter.accept(VerifyResult([1, 2, 3], [3, 1, 2], 3, True), [3, 1, 2, 3])
+    assert drafter.depth == 6  # capped at the configured depth
+    drafter.accept(VerifyResult([1], [3], 9, False), [3, 9])
+    assert drafter.depth == 5

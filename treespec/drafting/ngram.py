@@ -25,19 +25,24 @@ from .base import Draft, DraftState
 @dataclass(frozen=True)
 class NgramConfig:
     """max_ngram / min_ngram: suffix lengths tried, longest first. depth: tokens per branch.
-    branches: distinct continuations kept (most recent first). max_nodes: tree budget (root excluded)."""
+    branches: distinct continuations kept (most recent first). max_nodes: tree budget (root excluded).
+    adaptive: the branch depth follows acceptance (+2 after a step that accepted every drafted
+    token on its path, -1 otherwise, within [1, depth]), starting at ``start_depth``. The depth is
+    fixed before each step's tree is built, from earlier steps only, so losslessness is untouched."""
 
     max_ngram: int = 4
     min_ngram: int = 1
     depth: int = 8
     branches: int = 4
     max_nodes: int = 32
+    adaptive: bool = False
+    start_depth: int = 4
 
     def __post_init__(self) -> None:
         if not (1 <= self.min_ngram <= self.max_ngram):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if self.depth < 1 or self.branches < 1 or self.max_nodes < 1:
-            raise ValueError("depth, branches and max_nodes must be >= 1")
+        if self.depth < 1 or self.branches < 1 or self.max_nodes < 1 or self.start_depth < 1:
+            raise ValueError("depth, start_depth, branches and max_nodes must be >= 1")
 
 
 def find_continuations(seq: np.ndarray, config: NgramConfig, depth: int) -> list[list[int]]:
@@ -88,17 +93,26 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig = NgramConfig(), device: torch.device | str = "cpu") -> None:
         self.config = config
         self.device = device
+        self.begin([])
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic"
 
     def begin(self, prompt_ids: list[int]) -> None:
-        pass
+        self.depth = min(self.config.start_depth, self.config.depth) if self.config.adaptive else self.config.depth
+        self._proposed_depth = 0
 
     def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        depth = min(self.config.depth, state.max_depth)
+        depth = min(self.depth, state.max_depth)
         branches = find_continuations(np.asarray(state.tokens), self.config, depth) if depth > 0 else []
-        return Draft(trie_tree(state.tokens[-1], branches, self.config.max_nodes, self.device))
+        tree = trie_tree(state.tokens[-1], branches, self.config.max_nodes, self.device)
+        self._proposed_depth = max((len(b) for b in branches), default=0)
+        return Draft(tree)
 
     def accept(self, result: VerifyResult, emitted: list[int]) -> None:
-        pass
+        if not self.config.adaptive or self._proposed_depth == 0:
+            return  # no candidates: nothing learnt about the depth
+        if result.is_bonus:  # the whole path down to a leaf was accepted
+            self.depth = min(self.depth + 2, self.config.depth)
+        else:
+            self.depth = max(self.depth - 1, 1)
