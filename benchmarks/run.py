@@ -79,6 +79,7 @@ def ts_method(name: str, model, make_drafter):
         s = res.summary()
         return {"tokens": res.token_ids, "wall_s": s["wall_s"], "target_calls": s["target_calls"],
                 "draft_s": s["draft_s"], "verify_s": s["verify_s"], "other_s": s["other_s"],
+                "prefill_s": s["prefill_s"],
                 "mean_tree_nodes": s["mean_tree_nodes"]}
     run.method = name
     return run
@@ -131,7 +132,8 @@ def summarise(rows: list[dict]) -> dict:
                 wall = sum(r["wall_s"] for r in mine)
                 entry["share_draft"] = sum(r["draft_s"] for r in mine) / wall
                 entry["share_verify"] = sum(r["verify_s"] for r in mine) / wall
-                entry["share_other"] = 1 - entry["share_draft"] - entry["share_verify"]
+                entry["share_prefill"] = sum(r["prefill_s"] for r in mine) / wall
+                entry["share_other"] = sum(r["other_s"] for r in mine) / wall  # bookkeeping outside the passes
             subtasks = sorted({r["subtask"] for r in mine})
             entry["per_subtask"] = {
                 s: {"speedup": mean(r["tokens_per_s"] / r["baseline_tokens_per_s"] for r in mine if r["subtask"] == s)
@@ -151,13 +153,14 @@ def markdown(summary: dict, meta: dict) -> str:
              f"Settings: {json.dumps(meta['settings'])}", ""]
     for key, block in summary.items():
         lines += [f"## {key} (baseline: {block['baseline']})", "",
-                  "| method | tokens/s | speedup | tau | greedy = plain | draft / verify / other |",
+                  "| method | tokens/s | speedup | tau | greedy = plain | prefill / draft / verify / other |",
                   "|---|---|---|---|---|---|"]
         for m, e in block.items():
             if m == "baseline":
                 continue
             eq = f"{e['greedy_equal_rate']:.2f}" if "greedy_equal_rate" in e else "-"
-            split = (f"{e['share_draft']:.2f} / {e['share_verify']:.2f} / {e['share_other']:.2f}"
+            split = (f"{e.get('share_prefill', float('nan')):.2f} / {e['share_draft']:.2f} / "
+                     f"{e['share_verify']:.2f} / {e['share_other']:.2f}"
                      if "share_draft" in e else "-")
             sp = f"{e['speedup']:.2f}x" if e["speedup"] is not None else "-"
             lines.append(f"| {m} | {e['tokens_per_s']:.2f} | {sp} | {e['tau']:.2f} | {eq} | {split} |")

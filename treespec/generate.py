@@ -65,6 +65,7 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens only
     steps: list[StepStats] = field(default_factory=list)
     wall_s: float = 0.0
+    prefill_s: float = 0.0  # prompt prefill (included in wall_s, in no step)
     text: str | None = None
     stopped_on_eos: bool = False
 
@@ -88,6 +89,7 @@ class GenerationResult:
             "mean_accepted": sum(s.accepted for s in self.steps) / max(len(self.steps), 1),
             "mean_tree_nodes": sum(s.tree_nodes for s in self.steps) / max(len(self.steps), 1),
             "wall_s": self.wall_s,
+            "prefill_s": self.prefill_s,
             "tokens_per_s": len(self.token_ids) / self.wall_s if self.wall_s > 0 else float("nan"),
             "draft_s": draft,
             "verify_s": verify,
@@ -165,6 +167,7 @@ def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torc
     drafter.begin(prompt)
     seq = list(prompt)
     result = GenerationResult(prompt, [])
+    result.prefill_s = time.perf_counter() - start
     while len(result.token_ids) < config.max_new_tokens:
         t0 = time.perf_counter()
         remaining = config.max_new_tokens - len(result.token_ids)
