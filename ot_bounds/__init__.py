@@ -19,6 +19,12 @@ expected_accepted_length,
 tree_acceptance_upper_bound,
 optimal_node_acceptance                  tree level (Sequoia's F(T) and its OT bound)
 
+Submodules not imported here (they need torch / treespec):
+ot_bounds.scoring   monte_carlo_acceptance, rule_acceptance: treespec's own
+                    verifiers scored against verifier_acceptance
+ot_bounds.study     batched full-vocabulary closed forms for the real-model
+                    study (benchmarks/study_real_model.py)
+
 References
 ----------
 Hu et al., "Towards Optimal Multi-draft Speculative Decoding", ICLR 2025, arXiv:2502.18779.

@@ -26,7 +26,10 @@ Supported laws (``sampling``)
 ``"spechub"`` (``n = 2`` only)
     SpecHub's sparse pair law with hub ``a = argmax q``: ``(i, a)`` with
     probability ``q_i`` and ``(a, i)`` with probability ``q_a q_i / (1 - q_a)``
-    for ``i != a``.  As *unordered* sets this is exactly greedy drafting with
+    for ``i != a``.  If ``q`` is a point mass on ``a`` the second draft is
+    uniform on the other tokens (the engine's convention,
+    :func:`treespec.verify.spechub.hub_and_second_law`).  As *unordered* sets
+    this is exactly greedy drafting with
     ``n = 2``, so its optimum equals the greedy one.
 ``"deterministic"``
     The top-``n`` tokens of ``q`` as fixed candidates (a point mass on one
@@ -158,7 +161,9 @@ def effective_n(q: NDArray[np.float64], n: int, sampling: str) -> int:
 def greedy_parts(q: NDArray[np.float64], n: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
     """Fixed tokens ``T`` (top ``n-1`` of ``q``) and the renormalised rest ``q'``.
 
-    If ``q(V \\ T) = 0`` the random draft does not exist and ``q'`` is all zeros.
+    If ``q(V \\ T) = 0``, ``q'`` is uniform on ``V \\ T`` (the engine's convention,
+    :func:`treespec.verify.greedy_draft.restricted_draft`); if ``V \\ T`` is empty
+    (``n > V``) there is no random draft and ``q'`` is all zeros.
 
     Examples
     --------
@@ -172,8 +177,11 @@ def greedy_parts(q: NDArray[np.float64], n: int) -> tuple[NDArray[np.int64], NDA
     mass = rest.sum()
     if mass > 0:
         rest /= mass
-    else:
-        rest[:] = 0.0
+    else:  # uniform on the complement of T, as the engine's drafter and verifier
+        rest[:] = 1.0
+        rest[fixed] = 0.0
+        free = rest.sum()
+        rest = rest / free if free > 0 else rest
     return fixed, rest
 
 
@@ -616,9 +624,14 @@ def draft_tuple_law(q: ArrayLike, n: int, sampling: str) -> TupleLaw:
         qa_hub = qa[a]
         rest_mass = float(qa.sum() - qa_hub) if qa_hub <= 0.5 else float(np.delete(qa, a).sum())
         others = [int(i) for i in support if i != a]
-        if not others:
-            rows.append((a,))
-            probs.append(1.0)
+        if not others:  # point mass: second draft uniform on the other tokens
+            if v == 1:
+                rows.append((a,))
+                probs.append(1.0)
+            for i in range(v):
+                if i != a:
+                    rows.append((a, i))
+                    probs.append(1.0 / (v - 1))
         for i in others:
             rows.append((i, a))
             probs.append(float(qa[i]))

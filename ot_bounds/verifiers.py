@@ -156,7 +156,10 @@ def _spechub_plan(p: NDArray[np.float64], q: NDArray[np.float64]):
     others[a] = False
     q_ia = np.where(others, q, 0.0)  # pair (i, a): first draft i, second a
     rest = float(q[others].sum())  # = 1 - q_a, summed directly for accuracy
-    q_ai = np.where(others, qa * q / rest, 0.0) if rest > 0 else np.zeros_like(q)
+    if rest > 0:
+        q_ai = np.where(others, qa * q / rest, 0.0)
+    else:  # point-mass q: second draft uniform on the other tokens (engine convention)
+        q_ai = np.where(others, qa / max(q.size - 1, 1), 0.0)
     f1 = np.where(others, np.minimum(p, q_ia), 0.0)  # accept i as first draft
     f2 = np.where(others, np.minimum(p - f1, q_ai), 0.0)  # accept i as second draft
     left_ai = q_ai - f2
@@ -201,7 +204,7 @@ def _analytic(p: NDArray[np.float64], q: NDArray[np.float64], n: int, verifier: 
         hit = 1.0 - (1.0 - q_rej) ** n  # P(token y among the n rejected iid drafts)
         return total_accept + (1.0 - beta) ** n * float(res @ hit)
     if verifier == "spechub":
-        if np.count_nonzero(q) == 1:  # point-mass q: the single draft argmax q
+        if q.size == 1:  # one token: the single draft argmax q
             return float(p[int(np.argmax(q))])
         _a, *_rest, f1, f2, _l1, _l2, fa1, fa2 = _spechub_plan(p, q)
         return float(f1.sum() + f2.sum() + fa1 + fa2)

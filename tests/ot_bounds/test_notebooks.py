@@ -23,3 +23,37 @@ def test_bounds_notebook_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any(o.output_type == "error" for o in outputs)
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "largest disagreement between the five numbers" in text
+
+
+STUDY_NOTEBOOK = ROOT / "notebooks" / "02_real_model_study.ipynb"
+STUDY_RESULTS = ROOT / "benchmarks" / "results" / "ot_study"
+
+
+def _run_study_notebook(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    nb = nbformat.read(STUDY_NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+    client.execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not any(o.output_type == "error" for o in outputs)
+    assert sum(o.output_type == "display_data" for o in outputs) >= 3  # the three figures
+    return "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+
+
+def test_study_notebook_runs_on_saved_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Notebook (b) on the committed study results (no model needed)."""
+    if not (STUDY_RESULTS / "summary.json").exists():
+        pytest.skip("no saved study results (run benchmarks/study_real_model.py)")
+    monkeypatch.delenv("OT_STUDY_NB_RECOMPUTE", raising=False)
+    text = _run_study_notebook(monkeypatch, {"OT_STUDY_NB_RESULTS": str(STUDY_RESULTS)})
+    assert "study summary printed above: done" in text
+
+
+@pytest.mark.gemma
+def test_study_notebook_recomputes_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Notebook (b) recomputing the study with --small settings on the embedded Gemma (~1.5 min)."""
+    text = _run_study_notebook(monkeypatch, {"OT_STUDY_NB_RECOMPUTE": "1"})
+    assert "48 positions" in text
+    assert "study summary printed above: done" in text

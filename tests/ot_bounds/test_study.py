@@ -1,0 +1,73 @@
+"""ot_bounds.study (batched, full-vocabulary closed forms) against the per-pair references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ot_bounds import optimal_acceptance, verifier_acceptance
+from ot_bounds import study as st
+
+NS = [1, 2, 3, 4, 8]
+
+
+def _pairs(v: int = 40, rows: int = 6, seed: int = 3):
+    rng = np.random.default_rng(seed)
+    ps, qs = [], []
+    for i in range(rows):
+        lp = rng.normal(size=v) * (1 + i)
+        lq = lp + rng.normal(size=v) * (0.3 + 0.5 * i)
+        p = np.exp(lp - lp.max())
+        q = np.exp(lq - lq.max())
+        ps.append(p / p.sum())
+        qs.append(q / q.sum())
+    return ps, qs
+
+
+PS, QS = _pairs()
+P, Q = torch.tensor(np.array(PS)), torch.tensor(np.array(QS))
+SP = st.sort_pairs(P, Q)
+
+
+def _ref(fn):
+    return np.array([fn(p, q) for p, q in zip(PS, QS)])
+
+
+@pytest.mark.parametrize("n", NS)
+def test_optimal_closed_forms(n: int) -> None:
+    np.testing.assert_allclose(st.optimal_iid(SP, n).numpy(), _ref(lambda p, q: optimal_acceptance(p, q, n, "iid")),
+                               atol=1e-12)
+    np.testing.assert_allclose(st.optimal_greedy(P, Q, n).numpy(),
+                               _ref(lambda p, q: optimal_acceptance(p, q, n, "greedy")), atol=1e-12)
+    if n == 2:
+        np.testing.assert_allclose(st.optimal_wor2(SP).numpy(),
+                                   _ref(lambda p, q: optimal_acceptance(p, q, 2, "without_replacement")), atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_wor_bracket_contains_exact(n: int) -> None:
+    lo, hi = st.wor_bracket(SP, n)
+    exact = _ref(lambda p, q: optimal_acceptance(p, q, n, "without_replacement"))
+    assert np.all(lo.numpy() <= exact + 1e-10)
+    assert np.all(exact <= hi.numpy() + 1e-10)
+
+
+@pytest.mark.parametrize("n", NS)
+def test_verifier_closed_forms(n: int) -> None:
+    np.testing.assert_allclose(st.verifier_rrs(P, Q, NS)[n].numpy(),
+                               _ref(lambda p, q: verifier_acceptance(p, q, n, "rrs")), atol=1e-12)
+    np.testing.assert_allclose(st.verifier_kseq(P, Q, SP, n).numpy(),
+                               _ref(lambda p, q: verifier_acceptance(p, q, n, "kseq")), atol=1e-9)
+    np.testing.assert_allclose(st.verifier_kseq(P, Q, SP, n, "accepted").numpy(),
+                               _ref(lambda p, q: verifier_acceptance(p, q, n, "kseq", event="accepted")), atol=1e-9)
+    np.testing.assert_allclose(st.verifier_deterministic(P, Q, n).numpy(),
+                               _ref(lambda p, q: verifier_acceptance(p, q, n, "deterministic")), atol=1e-12)
+    np.testing.assert_allclose(st.optimal_greedy(P, Q, n).numpy(),
+                               _ref(lambda p, q: verifier_acceptance(p, q, n, "greedy_draft")), atol=1e-12)
+    if n == 1:
+        np.testing.assert_allclose(st.verifier_single(P, Q).numpy(),
+                                   _ref(lambda p, q: verifier_acceptance(p, q, 1, "single")), atol=1e-12)
+    if n == 2:
+        np.testing.assert_allclose(st.verifier_spechub(P, Q).numpy(),
+                                   _ref(lambda p, q: verifier_acceptance(p, q, 2, "spechub")), atol=1e-12)
