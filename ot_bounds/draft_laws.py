@@ -130,12 +130,16 @@ def top_indices(q: NDArray[np.float64], k: int) -> NDArray[np.int64]:
     return cand[order[:k]].astype(np.int64)
 
 
-def one_minus(x: NDArray[np.float64], total: float | None = None) -> NDArray[np.float64]:
+def one_minus(x: NDArray[np.float64], total: float | None = None, outside: float | None = None
+              ) -> NDArray[np.float64]:
     """``1 - x`` computed as the mass of the *other* entries (accurate when x ~ 1).
 
-    ``x`` is a subset of a probability vector whose entries sum to ``total``
-    (default ``x.sum()``); at most one entry can exceed 1/2 and for it the
-    complement is summed directly instead of subtracting from 1.
+    ``x`` is a subset of a probability vector; the mass of the entries not in
+    ``x`` is ``outside`` when given (best: summed directly from those entries),
+    else ``total - x.sum()`` (default ``total = x.sum()``). At most one entry
+    can exceed 1/2 and for it the complement is summed directly instead of
+    subtracting from 1 (a difference of two numbers near 1 would lose all
+    relative accuracy when the complement is ~1e-12).
 
     Examples
     --------
@@ -146,8 +150,9 @@ def one_minus(x: NDArray[np.float64], total: float | None = None) -> NDArray[np.
     if x.size:
         i = int(np.argmax(x))
         if x[i] > 0.5:
-            outside = 0.0 if total is None else max(float(total) - float(x.sum()), 0.0)
-            out[i] = float(np.sum(np.delete(x, i))) + outside
+            if outside is None:
+                outside = 0.0 if total is None else max(float(total) - float(x.sum()), 0.0)
+            out[i] = float(np.sum(np.delete(x, i))) + float(outside)
     return out
 
 
@@ -389,7 +394,7 @@ def wor_prob_all_in(q_in: NDArray[np.float64], c: float, n: int) -> float:
     if n == 1:
         return s
     if n == 2:
-        return float(max(s - c * np.sum(q_pos / one_minus(q_pos, s + c)), 0.0))
+        return float(max(s - c * np.sum(q_pos / one_minus(q_pos, outside=c)), 0.0))
     top = np.sort(q_pos)[::-1][: n - 1] if q_pos.size < 4 * n else q_pos[top_indices(q_pos, n - 1)]
     r = max(s - float(top.sum()), 1e-300)
     t_end = ((n - 1) * np.log(q_pos.size + 1.0) + 40.0) / r
@@ -417,17 +422,163 @@ def wor_prob_all_in(q_in: NDArray[np.float64], c: float, n: int) -> float:
     return float(min(max(1.0 - float(weights @ vals), 0.0), 1.0))
 
 
+def _prefix_top_mass(qs: NDArray[np.float64], ks: NDArray[np.int64], r: int, pool: int = 256,
+                     top: NDArray[np.int64] | None = None) -> NDArray[np.float64]:
+    """Mass of the ``r`` largest entries of each prefix ``qs[:k]``, ``k`` in ``ks``.
+
+    Once a prefix holds ``r`` of the ``pool`` largest entries of ``qs``, its ``r`` largest are among
+    them (every other entry is no larger than each of them); shorter prefixes are done directly.
+    ``top``: those positions, sorted, if already known.
+    """
+    out = np.zeros(ks.size)
+    if top is None:
+        top = np.sort(top_indices(qs, pool))  # positions of the pool largest, in prefix order
+    inside = np.searchsorted(top, ks)  # how many of them each prefix holds
+    for i, (k, c) in enumerate(zip(ks.tolist(), inside.tolist())):
+        if c >= r or c == top.size:
+            vals = qs[top[:c]]
+            out[i] = float(np.sort(vals)[::-1][:r].sum()) if c >= r else float(vals.sum())
+        else:
+            out[i] = float(qs[top_indices(qs[:k], r)].sum())
+    return out
+
+
+class WorPrefixQuadrature:
+    """Exact ``Q_wor(all n drafts in H_k)`` for prefixes ``H_k = qs[:k]``, one grid for many calls.
+
+    Same integral as :func:`wor_prob_all_in`, ``1 - int_0^inf c_k e^{-c_k t} P(N_k(t) <= n-1) dt``,
+    but one set of quadrature nodes serves every prefix with ``k_lo <= k <= k_hi``: it is sized for
+    the hardest of them (the smallest ``r_k``, the mass of ``H_k`` outside its ``n-1`` largest
+    tokens; ``r_k`` never decreases with ``k``). Everything that depends only on the nodes is
+    computed once: the exact Poisson-binomial DP over the non-tiny tokens (its state after each
+    of them is kept) and block sums of the 17 moments of the tiny tokens (``q t <= 1/4`` on every
+    node). A call then costs ``O(K * (block + nodes * n))`` for ``K`` prefixes, which is what makes
+    the rounds of the branch and bound in :func:`ot_bounds.optimal_acceptance` cheap. Prefixes with
+    ``r_k < 1e-3`` (a time range too long for one grid) fall back to :func:`wor_prob_all_in`.
+
+    Parameters
+    ----------
+    qs : ndarray, shape (m,)
+        Positive draft masses in prefix order.
+    outside : float
+        Draft mass not listed in ``qs``.
+    n : int
+        Effective number of drafts (>= 3).
+    k_lo, k_hi : int
+        Range of prefix lengths that will be asked for (1 <= k_lo <= k_hi <= m).
+    """
+
+    block = 128
+
+    def __init__(self, qs: NDArray[np.float64], outside: float, n: int, k_lo: int, k_hi: int) -> None:
+        self.qs, self.n = qs, n
+        self.s_all = np.cumsum(qs)  # shape (m,)
+        # mass after each prefix, summed from the small end (1 - s_k would lose the digits of c_k ~ 1e-12)
+        self.after = np.concatenate((np.cumsum(qs[::-1])[::-1][1:], [0.0])) + outside  # shape (m,)
+        self.k_hi = int(k_hi)
+        self.top = np.sort(top_indices(qs[: self.k_hi], 256))  # the 256 largest of the range, by position
+        r_lo = float(self.s_all[k_lo - 1]
+                     - _prefix_top_mass(qs[: self.k_hi], np.array([k_lo]), n - 1, top=self.top)[0])
+        self.r_min = max(r_lo, 1e-3)
+        t_end = ((n - 1) * np.log(self.k_hi + 1.0) + 40.0) / self.r_min
+        t_start = 1e-3
+        n_panels = max(1, int(np.ceil(np.log2(t_end / t_start))))
+        edges = np.concatenate(([0.0], t_start * 2.0 ** np.arange(n_panels + 1)))
+        edges[-1] = max(edges[-1], t_end)
+        lo, hi = edges[:-1, None], edges[1:, None]
+        self.nodes = (0.5 * (hi - lo) * _GL_NODES[None, :] + 0.5 * (hi + lo)).ravel()  # shape (M,)
+        self.weights = (0.5 * (hi - lo) * _GL_WEIGHTS[None, :]).ravel()  # shape (M,)
+        head = qs[: self.k_hi]
+        self.tiny = head <= _TINY_REACH / edges[-1]  # shape (k_hi,)
+        # block sums of the tiny moments: shape (blocks + 1, 17), cumulative
+        b = self.block
+        nb = -(-head.size // b)
+        x = np.zeros(nb * b)
+        x[: head.size] = np.where(self.tiny, head, 0.0)
+        x = x.reshape(nb, b)
+        sums = np.empty((nb, _M_TINY + 1))
+        sums[:, 0] = np.add.reduceat(np.concatenate((self.tiny, np.zeros(nb * b - head.size, bool))),
+                                     np.arange(0, nb * b, b)) if nb else 0.0
+        acc = np.ones_like(x)
+        for j in range(1, _M_TINY + 1):
+            acc = acc * x
+            sums[:, j] = acc.sum(axis=1)
+        self.block_cum = np.concatenate((np.zeros((1, _M_TINY + 1)), np.cumsum(sums, axis=0)))
+        # exact DP over the non-tiny tokens, state after each of them: shape (big + 1, M, n)
+        self.big_pos = np.flatnonzero(~self.tiny)
+        hist = np.zeros((self.big_pos.size + 1, self.nodes.size, n))
+        hist[0, :, 0] = 1.0
+        for j, pos in enumerate(self.big_pos):
+            y = -np.expm1(-qs[pos] * self.nodes)[:, None]
+            hist[j + 1] = hist[j] * (1.0 - y)
+            hist[j + 1, :, 1:] += hist[j, :, :-1] * y
+        self.hist = hist
+        self.tpow = self.nodes[None, :] ** np.arange(_M_TINY + 1)[:, None]  # shape (17, M)
+
+    def _moments(self, ks: NDArray[np.int64]) -> NDArray[np.float64]:
+        """Tiny moments of each prefix, shape (K, 17)."""
+        b = self.block
+        full = ks // b
+        out = self.block_cum[full].copy()
+        rem = ks - full * b
+        if rem.any():
+            idx = (full * b)[:, None] + np.arange(b)[None, :]  # shape (K, b)
+            ok = np.arange(b)[None, :] < rem[:, None]
+            idx = np.minimum(idx, self.k_hi - 1)
+            x = np.where(ok & self.tiny[idx], self.qs[idx], 0.0)
+            out[:, 0] += (ok & self.tiny[idx]).sum(axis=1)
+            acc = np.ones_like(x)
+            for j in range(1, _M_TINY + 1):
+                acc = acc * x
+                out[:, j] += acc.sum(axis=1)
+        return out
+
+    def __call__(self, ks: ArrayLike) -> NDArray[np.float64]:
+        """``Q_wor(all n drafts in H_k)`` for each prefix length ``k`` in ``ks``, shape (K,)."""
+        n = self.n
+        ks = np.asarray(ks, dtype=np.int64)
+        out = np.zeros(ks.size)
+        if ks.size == 0:
+            return out
+        if ks.max() > self.k_hi:
+            raise ValueError("prefix longer than the range this grid was built for")
+        s_k = self.s_all[ks - 1]
+        c_k = np.maximum(self.after[ks - 1], 0.0)
+        r_k = s_k - _prefix_top_mass(self.qs[: self.k_hi], ks, n - 1, top=self.top)
+        slow = (r_k < self.r_min * (1 - 1e-12)) | (c_k <= 0.0) | (ks < n)
+        for idx in np.flatnonzero(slow):
+            k = int(ks[idx])
+            out[idx] = wor_prob_all_in(self.qs[:k], float(c_k[idx]), n) if c_k[idx] > 0 else float(k >= n)
+        fast = np.flatnonzero(~slow)
+        if fast.size == 0:
+            return out
+        kf, cf = ks[fast], c_k[fast]
+        moments = self._moments(kf)  # shape (K, 17)
+        base = np.exp(-np.outer(moments[:, 1], self.nodes))  # shape (K, M)
+        power = [None] + [(moments * _TINY_COEF[j][None, :]) @ self.tpow for j in range(1, n)]
+        e = [np.ones_like(base)]
+        for k in range(1, n):
+            accum = np.zeros_like(base)
+            for i in range(1, k + 1):
+                accum += (-1) ** (i - 1) * e[k - i] * power[i]
+            e.append(np.maximum(accum / k, 0.0))
+        tiny_cdf = np.cumsum(np.stack([base * e[b] for b in range(n)], axis=2), axis=2)  # shape (K, M, n)
+        big = self.hist[np.searchsorted(self.big_pos, kf)]  # shape (K, M, n)
+        below = np.zeros(base.shape)  # P(N <= n-1), shape (K, M)
+        for a in range(n):
+            below += big[:, :, a] * tiny_cdf[:, :, n - 1 - a]
+        below = np.clip(below, 0.0, 1.0)
+        integral = (cf[:, None] * np.exp(-np.outer(cf, self.nodes)) * below) @ self.weights  # shape (K,)
+        out[fast] = np.clip(1.0 - integral, 0.0, 1.0)
+        return out
+
+
 def wor_prob_all_in_prefixes(
     qs: NDArray[np.float64], ks: NDArray[np.int64], outside: float, n: int
 ) -> NDArray[np.float64]:
     """Exact ``Q_wor(all n drafts in H_k)`` for many prefixes ``H_k`` at once.
 
-    Same integral as :func:`wor_prob_all_in`, but one set of quadrature nodes
-    serves every prefix: tiny tokens (``q t <= 1/4`` on all nodes) enter through
-    cumulative moments, the other tokens through the exact Poisson-binomial DP
-    whose state is snapshotted at each requested prefix length.  Prefixes whose
-    time range would be too long (mass outside their ``n-1`` largest tokens
-    below ``1e-3``) fall back to :func:`wor_prob_all_in`.
+    One :class:`WorPrefixQuadrature` grid for the requested range of prefixes.
 
     Parameters
     ----------
@@ -445,81 +596,9 @@ def wor_prob_all_in_prefixes(
     ndarray, shape (K,)
     """
     ks = np.asarray(ks, dtype=np.int64)
-    out = np.zeros(ks.size)
     if ks.size == 0:
-        return out
-    s_all = np.cumsum(qs)  # shape (m,)
-    suffix_total = float(qs.sum()) + outside
-    k_max = int(ks.max())
-    m_top = float(qs[top_indices(qs[:k_max], n - 1)].sum())
-    s_k = s_all[ks - 1]
-    c_k = np.maximum(suffix_total - s_k, 0.0)
-    r_lb = s_k - m_top  # <= mass of H_k outside its n-1 largest tokens
-    slow = (r_lb < 1e-3) | (c_k <= 0.0) | (ks < n)
-    for idx in np.flatnonzero(slow):
-        k = int(ks[idx])
-        out[idx] = wor_prob_all_in(qs[:k], float(c_k[idx]), n) if c_k[idx] > 0 else float(k >= n)
-    fast = np.flatnonzero(~slow)
-    if fast.size == 0:
-        return out
-    kf, cf, sf = ks[fast], c_k[fast], s_k[fast]
-    t_end = float(np.max(((n - 1) * np.log(kf + 1.0) + 40.0) / r_lb[fast]))
-    t_start = 1e-3 / float(np.max(np.maximum(sf, cf)))
-    t_start = min(t_start, 1e-3)
-    n_panels = max(1, int(np.ceil(np.log2(t_end / t_start))))
-    edges = np.concatenate(([0.0], t_start * 2.0 ** np.arange(n_panels + 1)))
-    edges[-1] = max(edges[-1], t_end)
-    lo, hi = edges[:-1, None], edges[1:, None]
-    nodes = (0.5 * (hi - lo) * _GL_NODES[None, :] + 0.5 * (hi + lo)).ravel()  # shape (M,)
-    weights = (0.5 * (hi - lo) * _GL_WEIGHTS[None, :]).ravel()  # shape (M,)
-    head = qs[: int(kf.max())]
-    tiny = head <= _TINY_REACH / edges[-1]  # shape (k_max,)
-    # cumulative tiny moments at every requested prefix, shape (K, 17)
-    bounds = np.concatenate(([0], kf))
-    moments = np.zeros((kf.size, _M_TINY + 1))
-    acc = tiny.astype(np.float64)
-    for k in range(_M_TINY + 1):
-        if k:
-            acc = acc * head
-        seg = np.add.reduceat(acc, bounds[:-1]) if head.size else np.zeros(kf.size)
-        seg = np.where(np.diff(bounds) > 0, seg, 0.0)
-        moments[:, k] = np.cumsum(seg)
-    # exact DP over the non-tiny tokens, snapshotted at each prefix
-    big_pos = np.flatnonzero(~tiny)
-    n_big_before = np.searchsorted(big_pos, kf)  # shape (K,)
-    need = np.unique(n_big_before)
-    snaps: dict[int, NDArray[np.float64]] = {}
-    dist = np.zeros((nodes.size, n))
-    dist[:, 0] = 1.0
-    if 0 in need:
-        snaps[0] = dist.copy()
-    for j, pos in enumerate(big_pos[: int(need.max())]):
-        y = -np.expm1(-qs[pos] * nodes)[:, None]
-        new = dist * (1.0 - y)
-        new[:, 1:] += dist[:, :-1] * y
-        dist = new
-        if j + 1 in need:
-            snaps[j + 1] = dist.copy()
-    # tiny count probabilities for all prefixes: shape (K, M, n)
-    tpow = nodes[None, :] ** np.arange(_M_TINY + 1)[:, None]  # shape (17, M)
-    base = np.exp(-np.outer(moments[:, 1], nodes))  # shape (K, M)
-    power = [None] + [(moments * _TINY_COEF[j][None, :]) @ tpow for j in range(1, n)]
-    e = [np.ones_like(base)]
-    for k in range(1, n):
-        accum = np.zeros_like(base)
-        for i in range(1, k + 1):
-            accum += (-1) ** (i - 1) * e[k - i] * power[i]
-        e.append(np.maximum(accum / k, 0.0))
-    tiny_probs = np.stack([base * e[b] for b in range(n)], axis=2)  # shape (K, M, n)
-    big = np.stack([snaps[int(c)] for c in n_big_before], axis=0)  # shape (K, M, n)
-    below = np.zeros(base.shape)  # P(N <= n-1), shape (K, M)
-    tiny_cdf = np.cumsum(tiny_probs, axis=2)
-    for a in range(n):
-        below += big[:, :, a] * tiny_cdf[:, :, n - 1 - a]
-    below = np.clip(below, 0.0, 1.0)
-    integral = (cf[:, None] * np.exp(-np.outer(cf, nodes)) * below) @ weights  # shape (K,)
-    out[fast] = np.clip(1.0 - integral, 0.0, 1.0)
-    return out
+        return np.zeros(0)
+    return WorPrefixQuadrature(qs, outside, n, int(ks.min()), int(ks.max()))(ks)
 
 
 # ----------------------------------------------------------------------------

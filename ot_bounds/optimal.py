@@ -76,6 +76,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._validation import check_distributions, check_n
 from .draft_laws import (
+    WorPrefixQuadrature,
     _prob_all_in,
     check_law,
     effective_n,
@@ -162,22 +163,26 @@ def _iid(p: NDArray[np.float64], q: NDArray[np.float64], n: int) -> OptimalAccep
     return _finish(p, q, n, "iid", order[:k], q_all_in=float(big_q[k - 1] ** n) if k else None)
 
 
-def _wor_upper_bound(qs: NDArray[np.float64], n: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0
+                     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Exact Q_2 and a valid upper bound on Q_n for all prefixes of qs.
 
     Parameters
     ----------
     qs : ndarray, shape (m,)
         Draft masses in prefix order (all positive, all < 1).
+    outside : float
+        Draft mass of the tokens not in ``qs``.
 
     Returns
     -------
     q2, ub : ndarrays, shape (m,)
     """
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        w = qs / one_minus(qs, 1.0)
+        w = qs / one_minus(qs, outside=outside)
         s = np.minimum(np.cumsum(qs), 1.0)
-        c = 1.0 - s
+        # mass after each prefix summed from the small end: 1 - s would lose every digit of c ~ 1e-12
+        c = np.concatenate((np.cumsum(qs[::-1])[::-1][1:], [0.0])) + outside
         s1 = np.cumsum(w)
         q2 = np.where(c > 0, np.maximum(s - c * s1, 0.0), s)
     if n == 2:
@@ -209,31 +214,60 @@ def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int)
     order = _ratio_order(p, q, cap)
     qs = q[order]
     big_p = np.cumsum(p[order])
-    q2, ub = _wor_upper_bound(qs, n_eff)
+    rest = np.ones(q.size, dtype=bool)
+    rest[order] = False
+    outside = float(q[rest].sum())  # mass of tokens left out of the order, summed directly
+    q2, ub = _wor_upper_bound(qs, n_eff, outside)
     if n_eff == 2:
         k = _best_prefix(big_p - q2)
         return _finish(p, q, n, "without_replacement", order[:k], q_all_in=float(q2[k - 1]) if k else None)
-    # branch and bound over prefixes (prefix length j + 1 for array index j):
-    # round 1 evaluates the few most promising prefixes, round 2 every prefix
-    # whose lower bound is still below the best exact value, in one batch
-    lower = big_p - ub
-    outside = float(q.sum() - qs.sum())  # mass of tokens left out of the order
-    ranked = np.argsort(lower, kind="stable")
+    return _wor_branch_and_bound(p, q, n, n_eff, order, qs, big_p, ub, outside)
+
+
+def _wor_branch_and_bound(
+    p: NDArray[np.float64], q: NDArray[np.float64], n: int, n_eff: int, order: NDArray[np.int64],
+    qs: NDArray[np.float64], big_p: NDArray[np.float64], ub: NDArray[np.float64], outside: float,
+    batch: int = 64,
+) -> OptimalAcceptance:
+    """Exact minimum of ``P_k - Q_k`` over prefixes ``k`` (``n >= 3`` without replacement).
+
+    Two valid upper bounds on ``Q_k`` give a lower bound on the objective of every unevaluated
+    prefix: the closed-form ``ub`` and, because prefixes are nested and ``Q`` is monotone under
+    inclusion, the exact ``Q`` of the nearest evaluated prefix at or after ``k``. Each round
+    evaluates (in one batched quadrature) up to ``batch`` survivors spread evenly over the ones still
+    able to beat the best exact value, which tightens the second bound geometrically; it stops when
+    no prefix can.  Index ``j`` is the prefix of length ``j + 1``.
+    """
     best_val, best_k, best_q, evals = 0.0, 0, 0.0, 0
-    first = ranked[:8]
-    first = first[lower[first] < best_val - _TOL]
-    for batch in (first, None):
-        if batch is None:
-            batch = np.setdiff1d(np.flatnonzero(lower < best_val - _TOL), first)
-        if batch.size == 0:
-            continue
-        batch = np.sort(batch)
-        q_all_in = wor_prob_all_in_prefixes(qs, batch + 1, outside, n_eff)
-        evals += batch.size
-        vals = big_p[batch] - q_all_in
+    lower = big_p - ub  # shape (m,)
+    cand = np.flatnonzero(lower < best_val - _TOL)
+    ev_idx = np.zeros(0, dtype=np.int64)  # evaluated prefixes, sorted
+    ev_q = np.zeros(0)
+    quad = None
+    while cand.size:
+        if quad is None:  # first round: the most promising by the closed-form bound, on their own grid
+            pick = np.sort(cand[np.argsort(lower[cand], kind="stable")[:batch]])
+            q_all_in = wor_prob_all_in_prefixes(qs, pick + 1, outside, n_eff)
+        else:  # an even spread over the survivors, on one grid sized for all of them
+            pick = cand[np.unique(np.linspace(0, cand.size - 1, batch).round().astype(np.int64))]
+            q_all_in = quad(pick + 1)
+        evals += pick.size
+        vals = big_p[pick] - q_all_in
         i = int(np.argmin(vals))
         if vals[i] < best_val:
-            best_val, best_k, best_q = float(vals[i]), int(batch[i]) + 1, float(q_all_in[i])
+            best_val, best_k, best_q = float(vals[i]), int(pick[i]) + 1, float(q_all_in[i])
+        merged = np.concatenate((ev_idx, pick))
+        keep = np.argsort(merged, kind="stable")
+        ev_idx, ev_q = merged[keep], np.concatenate((ev_q, q_all_in))[keep]
+        ev_q = np.minimum.accumulate(ev_q[::-1])[::-1]  # Q_k <= Q_j for every evaluated j >= k: keep the least
+        nxt = np.searchsorted(ev_idx, cand)  # first evaluated prefix at or after each candidate
+        at = np.minimum(nxt, ev_idx.size - 1)
+        succ_q = np.where(nxt < ev_idx.size, ev_q[at], 1.0)
+        done = (nxt < ev_idx.size) & (ev_idx[at] == cand)
+        bound = big_p[cand] - np.minimum(ub[cand], succ_q)
+        cand = cand[~done & (bound < best_val - _TOL)]
+        if quad is None and cand.size:
+            quad = WorPrefixQuadrature(qs, outside, n_eff, int(cand[0]) + 1, int(cand[-1]) + 1)
     return _finish(p, q, n, "without_replacement", order[:best_k], evals, best_q if best_k else None)
 
 

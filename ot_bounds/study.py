@@ -71,12 +71,36 @@ class SortedPairs:
     big_q: torch.Tensor  # [B, V] prefix sums of q
 
 
-def sort_pairs(p: torch.Tensor, q: torch.Tensor) -> SortedPairs:
-    """Sort every row by ``p / q`` once (reused by all ``n`` and by ``kseq``)."""
+def sort_pairs(p: torch.Tensor, q: torch.Tensor, order: torch.Tensor | None = None) -> SortedPairs:
+    """Sort every row by ``p / q`` once (reused by all ``n`` and by ``kseq``).
+
+    ``order`` ``[B, V]``: a ratio order known in advance. For ``p = softmax(a / T)`` and
+    ``q = softmax(b / T)`` the ratio is ``exp((a - b) / T)`` times a constant, so
+    :func:`logit_order` (the order of ``a - b``) serves every temperature: one sort per position
+    instead of one per temperature. Exact ties may come out in another order, which cannot change
+    any prefix minimum computed here.
+    """
     ratio = torch.where(q > 0, p / q.clamp(min=torch.finfo(q.dtype).tiny), torch.full_like(p, torch.inf))
-    ratio, order = torch.sort(ratio, dim=1)
+    if order is None:
+        ratio, order = torch.sort(ratio, dim=1)
+    else:
+        given = ratio.gather(1, order)
+        # the given order must sort the ratios up to rounding (a few ulps); else (e.g. underflow to
+        # p = q = 0 at a low temperature) sort for real
+        if bool((given[:, 1:] < given[:, :-1] * (1.0 - 1e-12)).any()):
+            ratio, order = torch.sort(ratio, dim=1)
+        else:
+            ratio = torch.cummax(given, dim=1).values  # remove the ulp-level inversions
     ps, qs = p.gather(1, order), q.gather(1, order)
     return SortedPairs(ps, qs, ratio, ps.cumsum(dim=1), qs.cumsum(dim=1).clamp(max=1.0))
+
+
+def logit_order(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` token order by ``target_logit - draft_logit`` (= the ``p / q`` order at every
+    temperature); tokens the draft cannot produce (logit ``-inf``) last."""
+    diff = target_logits.double() - draft_logits.double()
+    diff = torch.where(torch.isinf(draft_logits) & (draft_logits < 0), torch.full_like(diff, torch.inf), diff)
+    return torch.argsort(diff, dim=1, stable=True)
 
 
 def optimal_iid(sp: SortedPairs, n: int) -> torch.Tensor:
@@ -110,6 +134,14 @@ def wor_bracket(sp: SortedPairs, n: int) -> tuple[torch.Tensor, torch.Tensor]:
       largest entries of ``q``, and ``(s - m) / (1 - m)`` decreases in ``m``); any ``H`` gives an
       upper bound on the minimum.
     """
+    return wor_brackets(sp, [n])[n]
+
+
+def wor_brackets(sp: SortedPairs, ns: list[int], iid: dict[int, torch.Tensor] | None = None
+                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`wor_bracket` for several ``n >= 3`` at once: the ``n``-independent prefix sums
+    (``Q_2``, the conditional mean ``mu`` of the drafted mass, the third-draw factor) are computed
+    once. ``iid``: already computed :func:`optimal_iid` values per ``n`` (reused as the lower end)."""
     qs = sp.q
     w = torch.where(qs > 0, qs / _one_minus(qs).clamp(min=1e-300), torch.zeros_like(qs))
     s = sp.big_q
@@ -123,21 +155,24 @@ def wor_bracket(sp: SortedPairs, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     mu = torch.where(q2 > 0, em2 / q2.clamp(min=1e-300), torch.zeros_like(q2))
     third = torch.where(mu < 1.0, (s - mu) / (1.0 - mu).clamp(min=1e-300), torch.ones_like(mu))
     third = torch.nan_to_num(third, nan=1.0).clamp(0.0, 1.0)
-    top = torch.topk(qs, n, dim=1).values  # [B, n]
-    m2 = top[:, :2].sum(dim=1, keepdim=True)
-    concave = (n - 3) * c <= 2.0 * (s - m2)
-    ub = torch.where(concave, q2 * third ** (n - 2), q2 * third * s ** (n - 3))
-    ub = (ub + 1e-12).clamp(max=1.0)
-    lbq = q2
+    top = torch.topk(qs, max(ns), dim=1).values  # [B, max n]
     cum_top = top.cumsum(dim=1)  # M_j = cum_top[:, j-1]
-    for j in range(2, n):
-        mj = cum_top[:, j - 1:j]
-        lbq = lbq * ((s - mj).clamp(min=0.0) / (1.0 - mj).clamp(min=1e-300)).clamp(max=1.0)
-    lbq = (lbq - 1e-12).clamp(min=0.0)
-    lo = 1.0 + (sp.big_p - ub).min(dim=1).values.clamp(max=0.0)
-    hi = 1.0 + (sp.big_p - lbq).min(dim=1).values.clamp(max=0.0)
-    lo = torch.maximum(lo, optimal_iid(sp, n))
-    return lo.clamp(0.0, 1.0), torch.maximum(hi, lo).clamp(0.0, 1.0)
+    m2 = cum_top[:, 1:2]
+    out = {}
+    for n in ns:
+        concave = (n - 3) * c <= 2.0 * (s - m2)
+        ub = torch.where(concave, q2 * third ** (n - 2), q2 * third * s ** (n - 3))
+        ub = (ub + 1e-12).clamp(max=1.0)
+        lbq = q2
+        for j in range(2, n):
+            mj = cum_top[:, j - 1:j]
+            lbq = lbq * ((s - mj).clamp(min=0.0) / (1.0 - mj).clamp(min=1e-300)).clamp(max=1.0)
+        lbq = (lbq - 1e-12).clamp(min=0.0)
+        lo = 1.0 + (sp.big_p - ub).min(dim=1).values.clamp(max=0.0)
+        hi = 1.0 + (sp.big_p - lbq).min(dim=1).values.clamp(max=0.0)
+        lo = torch.maximum(lo, iid[n] if iid is not None and n in iid else optimal_iid(sp, n))
+        out[n] = (lo.clamp(0.0, 1.0), torch.maximum(hi, lo).clamp(0.0, 1.0))
+    return out
 
 
 def _topk_fixed(q: torch.Tensor, k: int) -> torch.Tensor:

@@ -127,10 +127,13 @@ def kseq_rho(p: NDArray[np.float64], q: NDArray[np.float64], n: int) -> float:
 
     def gap(rho: float) -> float:
         beta = float(np.minimum(q, p / rho).sum())
-        return 1.0 - (1.0 - beta) ** n - rho * beta
+        # 1 - (1 - beta)^n without cancellation (beta can be ~1e-13)
+        return -float(np.expm1(n * np.log1p(-beta))) - rho * beta if beta < 1.0 else 1.0 - rho
 
     if n == 1 or gap(1.0) <= 0.0:
         return 1.0
+    if gap(float(n)) >= 0.0:  # gap(n) <= 0 in exact arithmetic: the root is n up to rounding
+        return float(n)
     rho = float(optimize.brentq(gap, 1.0, float(n), xtol=1e-15, rtol=1e-15))
     for _ in range(60):
         if gap(rho) <= 0.0:

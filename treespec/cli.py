@@ -41,10 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
     g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
-    g.add_argument("--draft", default="ngram",
-                   help="'ngram' (prompt lookup, default), 'none', a draft causal LM path/id sharing the tokenizer, "
-                        "an EAGLE head .safetensors (python -m treespec.distill), or early-exit:L "
-                        "(the target's first L layers as its own draft)")
+    g.add_argument("--draft", default="auto",
+                   help="'auto' (default: 'lookup+head' for the embedded target, else 'ngram'), "
+                        "'lookup+head' (prompt lookup where the context repeats, the shipped Gemma-3-270M draft "
+                        "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone), 'none', "
+                        "a draft causal LM path/id sharing the tokenizer, an EAGLE head .safetensors "
+                        "(python -m treespec.distill; 'lookup+PATH.safetensors' pairs it with lookup), or "
+                        "early-exit:L (the target's first L layers as its own draft)")
+    g.add_argument("--min-confidence", type=float, default=None,
+                   help="temperature 0, head drafts: keep a drafted token only if the head gives it at least this "
+                        "probability (default: the shipped head's measured setting)")
     g.add_argument("--tree", type=_branching, default=None,
                    help="children per depth for a model draft, e.g. 4 (chain of 4: 1,1,1,1) or 2,2,1; "
                         "for ngram: depth,branches (default 8,4)")
@@ -64,10 +70,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _head_drafter(args, target_model, path: str | None) -> Drafter:
+    from .drafting.head import EagleHead, HeadDrafter
+    from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
+
+    head = load_default_head(target_model) if path is None else EagleHead.load(path, target_model)
+    settings = DEFAULT_HEAD_SETTINGS if path is None else {"tree": (1, 1, 1, 1), "min_confidence": 0.0}
+    branching = args.tree or settings["tree"]
+    branching = (1,) * branching[0] if len(branching) == 1 else tuple(branching)
+    confidence = settings["min_confidence"] if args.min_confidence is None else args.min_confidence
+    return HeadDrafter(head, StaticTreeShape(branching, args.law), min_confidence=confidence)
+
+
 def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
     if args.plain or args.draft == "none":
         return None
-    if args.draft == "ngram":
+    draft = args.draft
+    if draft == "auto":
+        draft = "lookup+head" if args.target == "embedded" else "ngram"
+    if draft == "head" or draft.startswith("lookup+"):
+        path = None if draft in ("head", "lookup+head") else draft.removeprefix("lookup+")
+        head = _head_drafter(args, target_model, path)
+        if draft == "head":
+            return head
+        from .drafting.hybrid import LookupHeadDrafter
+
+        return LookupHeadDrafter(NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True)), head)
+    if draft == "ngram":
         if args.tree is None:  # the best measured default (benchmarks/results/speed): an adaptive chain
             return NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True))
         if len(args.tree) != 2:
@@ -81,11 +110,7 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
         branching = (1,) * branching[0] if len(branching) == 1 else branching
         return ModelDrafter(load_draft_model(args.draft, target_model), StaticTreeShape(branching, args.law))
     if args.draft.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
-        from .drafting.head import EagleHead, HeadDrafter
-
-        branching = args.tree or (1, 1, 1, 1)
-        branching = (1,) * branching[0] if len(branching) == 1 else branching
-        return HeadDrafter(EagleHead.load(args.draft, target_model), StaticTreeShape(branching, args.law))
+        return _head_drafter(args, target_model, args.draft)
     from .models.compat import check_tokenizers, check_vocab_sizes
     from .models.loading import load_model, load_tokenizer
 
@@ -127,7 +152,7 @@ def run_generate(args) -> int:
 
     result = generate(target, prompt_ids, drafter, config, tokenizer=tokenizer, callback=stream)
     summary = result.summary()
-    info = {"method": "plain" if drafter is None else ("ngram" if args.draft == "ngram" else "model-draft"),
+    info = {"method": "plain" if drafter is None else type(drafter).__name__,
             "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature}
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,

@@ -174,6 +174,9 @@ def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torc
         # propose
         draft: Draft = drafter.propose(DraftState(seq, remaining - 1, target_hidden), sampling, generator)
         tree = draft.tree
+        if config.verifier == "auto" and tree.law != law:  # a drafter mixing laws (e.g. n-gram + head)
+            law = tree.law
+            verifier_name, verify = _resolve_verifier("auto", law, sampling)
         t1 = time.perf_counter()
         # verify the whole tree in one target pass
         nodes = torch.arange(tree.num_nodes, device=runner.device)

@@ -49,16 +49,36 @@ def test_wor_n3_v2000_vs_double_sum(seed: int) -> None:
     assert optimal_acceptance(p, q, 3, "without_replacement") == pytest.approx(_wor3_all_prefixes(p, q), abs=1e-10)
 
 
-def test_wor_n4_branch_and_bound_vs_full_scan() -> None:
-    """Branch and bound vs evaluating every prefix exactly (V = 300, n = 4)."""
-    p, q = _lm_like(300, 5, scale=2.0)
+@pytest.mark.parametrize("n, scale, seed", [(4, 2.0, 5), (3, 6.0, 1), (4, 6.0, 2), (5, 4.0, 3)])
+def test_wor_branch_and_bound_vs_full_scan(n: int, scale: float, seed: int) -> None:
+    """Branch and bound (monotone bounds, one shared quadrature grid) vs every prefix exactly (V = 300).
+
+    Scale 6 makes q peaked: heavy tokens sit inside the ratio order, where the short prefixes have
+    almost no mass outside their n-1 largest tokens (the slow-path / long-time-range case).
+    """
+    p, q = _lm_like(300, seed, scale=scale)
     pos = np.flatnonzero(q > 0)
     order = pos[np.argsort(p[pos] / q[pos], kind="stable")]
     best = 0.0
     for k in range(1, order.size + 1):
         h = order[:k]
-        best = min(best, p[h].sum() - wor_prob_all_in(q[h], float(q.sum() - q[h].sum()), 4))
-    assert optimal_acceptance(p, q, 4, "without_replacement") == pytest.approx(1.0 + best, abs=1e-10)
+        best = min(best, p[h].sum() - wor_prob_all_in(q[h], float(q.sum() - q[h].sum()), n))
+    assert optimal_acceptance(p, q, n, "without_replacement") == pytest.approx(1.0 + best, abs=1e-10)
+
+
+def test_prefix_quadrature_matches_single_evaluations() -> None:
+    """The shared grid of WorPrefixQuadrature vs one wor_prob_all_in per prefix."""
+    from ot_bounds.draft_laws import WorPrefixQuadrature
+
+    p, q = _lm_like(3000, 7, scale=4.0)
+    qs = q[np.argsort(p / q, kind="stable")]
+    for n in (3, 4, 6):
+        ks = np.array([n, 10, 200, 1000, 1777, 2999, 3000])
+        quad = WorPrefixQuadrature(qs, 0.0, n, int(ks.min()), int(ks.max()))
+        ref = [wor_prob_all_in(qs[:k], float(qs[k:].sum()), n) for k in ks]
+        np.testing.assert_allclose(quad(ks), ref, atol=1e-12)
+        with pytest.raises(ValueError, match="range"):
+            quad([3001])
 
 
 def test_wor_integral_vs_enumeration() -> None:

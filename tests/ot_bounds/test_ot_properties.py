@@ -22,20 +22,39 @@ PROFILE = settings(max_examples=int(__import__("os").environ.get("OT_PROPERTY_EX
 
 @st.composite
 def pq_pairs(draw, max_vocab: int = 6):
-    """Random (p, q) with exact zeros allowed and every nonzero raw weight >= 1e-6.
+    """Random (p, q) with exact zeros, tiny masses (1e-12..1e-9) next to masses near 1, and ordinary ones.
 
-    Masses around 1e-12 next to masses near 1 are outside this domain: there the closed forms
-    and quadrature of the without-replacement law lose the 1e-10 accuracy these properties
-    assert (known falsifying cases: p=[1, 1e-12], q=[0, 1], n=2 breaks K-SEQ's root bracket;
-    p=[1, 0], q=[1e-12, 1], n=2 puts the w/o-replacement optimum 2e-5 below 1). Tracked in the
-    ot_bounds issue; exact zeros, point masses and disjoint supports are covered.
+    The tiny masses exercise the cancellation-prone spots: complements ``1 - q`` of a token holding
+    almost all mass, and K-SEQ's root bracket when ``beta`` is ~1e-13.
     """
     v = draw(st.integers(2, max_vocab))
-    weight = st.one_of(st.just(0.0), st.floats(1e-6, 1.0, allow_nan=False))
+    weight = st.one_of(st.just(0.0), st.floats(1e-12, 1e-9, allow_nan=False), st.floats(1e-6, 1.0, allow_nan=False))
     weights = st.lists(weight, min_size=v, max_size=v)
     raw_p = np.array(draw(weights)) + np.array([1e-3] + [0.0] * (v - 1))
     raw_q = np.array(draw(weights)) + np.array([0.0] * (v - 1) + [1e-3])
     return raw_p / raw_p.sum(), raw_q / raw_q.sum()
+
+
+@pytest.mark.parametrize("p, q, n", [
+    ([1.0, 1e-12], [0.0, 1.0], 2),  # K-SEQ: beta ~ 5e-13, the root sits at rho = n up to rounding
+    ([1.0, 1e-12], [0.0, 1.0], 3),
+    ([1.0, 0.0], [1e-12, 1.0], 2),  # w/o replacement: 1 - q_1 ~ 1e-12 must keep its digits
+    ([1.0, 0.0, 0.0], [1e-12, 0.5, 0.5], 3),
+    ([1.0, 0.0, 0.0], [1e-12, 1.0 - 2e-12, 1e-12], 3),
+])
+def test_tiny_masses_next_to_large_ones(p, q, n) -> None:
+    """Regression cases found by hypothesis: exact answers where the masses span 12 decades."""
+    p, q = np.array(p) / np.sum(p), np.array(q) / np.sum(q)
+    for verifier in ("rrs", "rrs_without_replacement", "kseq", "greedy_draft"):
+        opt = optimal_acceptance(p, q, n, VERIFIER_LAW[verifier])
+        acc = verifier_acceptance(p, q, n, verifier)
+        assert -1e-12 <= acc <= opt + 1e-10, (verifier, acc, opt)
+        np.testing.assert_allclose(verifier_outcome(p, q, n, verifier).output, p, atol=1e-10)
+    if np.count_nonzero(q) <= n:  # every token with q > 0 is drafted without replacement
+        assert optimal_acceptance(p, q, n, "without_replacement") == pytest.approx(
+            min(1.0, p[q > 0].sum()), abs=1e-12)
+    rho = kseq_rho(p, q, n)
+    assert 1.0 <= rho <= n
 
 
 @PROFILE

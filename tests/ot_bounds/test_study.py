@@ -71,3 +71,25 @@ def test_verifier_closed_forms(n: int) -> None:
     if n == 2:
         np.testing.assert_allclose(st.verifier_spechub(P, Q).numpy(),
                                    _ref(lambda p, q: verifier_acceptance(p, q, 2, "spechub")), atol=1e-12)
+
+
+def test_logit_order_serves_every_temperature() -> None:
+    """Sorting once by target_logit - draft_logit gives the same results as sorting by p / q per T."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3, 500, generator=g, dtype=torch.float64) * 4
+    b = a + torch.randn(3, 500, generator=g, dtype=torch.float64)
+    b[0, :50] = -torch.inf  # a draft restricted to a vocabulary subset: q = 0 there
+    order = st.logit_order(a, b)
+    for temp in (0.5, 0.7, 1.0):
+        p, q = torch.softmax(a / temp, dim=-1), torch.softmax(b / temp, dim=-1)
+        fresh, reused = st.sort_pairs(p, q), st.sort_pairs(p, q, order)
+        for n in (1, 2, 4):
+            torch.testing.assert_close(st.optimal_iid(reused, n), st.optimal_iid(fresh, n), atol=1e-12, rtol=0)
+            torch.testing.assert_close(st.verifier_kseq(p, q, reused, n), st.verifier_kseq(p, q, fresh, n),
+                                       atol=1e-12, rtol=0)
+        torch.testing.assert_close(st.optimal_wor2(reused), st.optimal_wor2(fresh), atol=1e-12, rtol=0)
+    # an order that does not sort the ratios is detected and replaced by a real sort
+    p, q = torch.softmax(a, dim=-1), torch.softmax(b, dim=-1)
+    wrong = torch.arange(500).expand(3, -1).contiguous()
+    torch.testing.assert_close(st.optimal_iid(st.sort_pairs(p, q, wrong), 3),
+                               st.optimal_iid(st.sort_pairs(p, q), 3), atol=1e-12, rtol=0)

@@ -18,6 +18,8 @@ from treespec.distill.corpus import CorpusOptions, build_corpus, check_not_eval,
 from treespec.distill.train import TrainConfig, train
 from treespec.drafting.base import DraftState
 from treespec.drafting.head import EagleHead, HeadDrafter
+from treespec.drafting.hybrid import LookupHeadDrafter
+from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.drafting.model import StaticTreeShape
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import tiny_model
@@ -140,6 +142,93 @@ def test_greedy_generation_identical_to_plain(target, trained, shape):
         plain = generate(target, prompt, None, cfg).token_ids
         out = generate(target, prompt, HeadDrafter(head, StaticTreeShape(shape)), cfg)
         assert out.token_ids == plain
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.2])
+def test_lookup_then_head_greedy_identical_to_plain(target, trained, min_confidence):
+    """N-gram trees where the context repeats, head trees (confidence-pruned or not) elsewhere."""
+    _, head, _ = trained
+    cfg = GenerationConfig(max_new_tokens=48, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    used = {"ngram": 0, "head": 0}
+    for prompt in [prompts()[1][:12] * 2, [5], prompts()[2][:6]]:
+        plain = generate(target, prompt, None, cfg).token_ids
+        drafter = LookupHeadDrafter(NgramDrafter(NgramConfig(depth=6, branches=1, adaptive=True)),
+                                    HeadDrafter(head, StaticTreeShape((2, 1, 1)), min_confidence=min_confidence))
+        assert generate(target, prompt, drafter, cfg).token_ids == plain
+        for k in used:
+            used[k] += drafter.counts[k]
+    assert used["ngram"] > 0 and used["head"] > 0, used
+
+
+def test_confidence_pruning_keeps_only_confident_children(target, trained):
+    _, head, _ = trained
+    prompt = prompts()[0][:10]
+    hidden = target.model(torch.tensor([prompt[:-1]]), output_hidden_states=True).last_hidden_state[0].detach()
+    for threshold in (0.0, 0.3, 0.9):
+        drafter = HeadDrafter(head, StaticTreeShape((4, 2)), min_confidence=threshold)
+        drafter.begin(prompt)
+        draft = drafter.propose(DraftState(prompt, 8, hidden), SamplingConfig(0.0), None)
+        if threshold == 0.0:
+            assert draft.tree.num_nodes == 1 + 4 + 8
+        else:
+            assert draft.tree.num_nodes <= 1 + 4 + 8
+        assert draft.tree.law == "deterministic"
+    with pytest.raises(ValueError, match="min_confidence"):
+        HeadDrafter(head, StaticTreeShape((1,)), min_confidence=1.0)
+
+
+def _small_head(tmp_path):
+    small = tiny_model("llama", 6, seed=0, logit_scale=6.0)
+    seqs = [[1 + b % 5 for b in p] for p in prompts()]
+    with torch.enable_grad():
+        build_corpus(small, seqs, tmp_path / "c", CorpusOptions(topk=0, shard_positions=10**6), progress=False)
+        head, _ = train(small, tmp_path / "c", tmp_path / "r",
+                        TrainConfig(**{**CFG.__dict__, "steps": 15, "vocab_size": 4, "soft": "subset"}), progress=False,
+                        log=lambda *_: None)
+    return small, head
+
+
+class _WrongLawLookup(LookupHeadDrafter):
+    """Deliberately broken: n-gram trees passed off as i.i.d. draws from a uniform q (they are not)."""
+
+    def propose(self, state, sampling, generator):
+        from treespec.drafting.base import Draft
+        from treespec.tree import TokenTree
+
+        draft = super().propose(state, sampling, generator)
+        if self.last != "ngram":
+            return draft
+        tree = draft.tree
+        q = torch.full((tree.num_nodes, 6), 1 / 6)
+        return Draft(TokenTree(tree.parents, tree.tokens, "iid"), q)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_lookup_then_head_law_at_t1(tmp_path, broken):
+    """Mixed drafting at T=1 (n-gram trees verified as deterministic candidates, head trees drawn
+    i.i.d. and verified by RRS, the verifier switched per step): the law of the first three tokens
+    after the prompt [1, 2, 3, 1, 2] equals the exact target law. Seeds 0..N-1, N = 600, G test with
+    cells of expected count < 5 pooled, alpha = 1e-3. Twin (broken=True): n-gram trees mislabelled as
+    i.i.d. from a uniform q must fail it."""
+    from .test_end_to_end_stats import exact_law, g_test
+
+    small, head = _small_head(tmp_path)
+    prompt = [1, 2, 3, 1, 2]
+    cls = _WrongLawLookup if broken else LookupHeadDrafter
+    n, counts, used = 600, {}, {"ngram": 0, "head": 0}
+    for seed in range(n):
+        drafter = cls(NgramDrafter(NgramConfig(depth=3, branches=2)), HeadDrafter(head, StaticTreeShape((2, 2), "iid")))
+        out = generate(small, prompt, drafter,
+                       GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed, stop_on_eos=False))
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        for k in used:
+            used[k] += drafter.counts[k]
+    assert used["ngram"] > 0 and used["head"] > 0, used
+    p_value = g_test(counts, exact_law(small, SamplingConfig(1.0), prompt), n)
+    if broken:
+        assert p_value < 1e-3, f"the broken twin passed (G-test p = {p_value:.2e})"
+    else:
+        assert p_value > 1e-3, f"output law differs from the target's (G-test p = {p_value:.2e})"
 
 
 def test_output_law_at_t1_is_the_targets(tmp_path):

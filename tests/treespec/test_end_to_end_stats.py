@@ -49,10 +49,10 @@ def models():
     return target, draft
 
 
-def exact_law(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
-    """P(x1, x2, x3 | PROMPT) from one batched forward over all two-token extensions."""
+def exact_law(model, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3 | prompt) from one batched forward over all two-token extensions."""
     ext = torch.tensor(list(itertools.product(range(V), repeat=2)))  # [V^2, 2]
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(ext), -1), ext], dim=1)
+    ids = torch.cat([torch.tensor(prompt).expand(len(ext), -1), ext], dim=1)
     probs = logits_to_probs(model(ids).logits[:, -3:].float(), sampling).double()  # [V^2, 3, V]
     law = {}
     for row, (a, b) in enumerate(ext.tolist()):

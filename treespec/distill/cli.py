@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
     t.add_argument("--run-dir", default=None, help="... or an explicit directory")
     t.add_argument("--init-head", default=None, help="start a new run from these head weights")
+    t.add_argument("--vocab-prompts", default=None,
+                   help="also count tokens of this train prompts jsonl when choosing a new run's vocabulary subset")
     t.add_argument("--export", default=None, help="also copy the final head here (e.g. fp16 for shipping)")
     t.add_argument("--export-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     t.add_argument("--device", default=None)
@@ -90,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tau", action="store_true", help="also tau of a chain of 4 in the engine (T=0, T=1)")
     e.add_argument("--tau-prompts", type=int, default=8)
     e.add_argument("--json", default=None, help="write the metrics here too")
+    x = sub.add_parser("export", help="write a run's newest checkpoint as a head file (training may go on)")
+    x.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
+    x.add_argument("--run-dir", default=None, help="... or an explicit directory")
+    x.add_argument("--out", required=True, help="head .safetensors to write (atomically)")
+    x.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    x.add_argument("--threads", type=int, default=1)
     return ap
 
 
@@ -101,7 +109,7 @@ def _corpus_dir(name_or_dir: str) -> Path:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ..models.loading import load_model, load_tokenizer
+    from ..models.loading import load_model, load_tokenizer  # noqa: F401 (used by most commands)
 
     if args.command == "build-corpus":
         from .corpus import CorpusOptions, build_corpus, check_not_eval, order_for_batching, read_prompts
@@ -120,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"corpus": str(out), "positions": man["positions"], "sequences": man["sequences_done"],
                           "of": man["num_input_sequences"], "complete": man["complete"],
                           "positions_per_s": man["positions"] / max(man["seconds"], 1e-9)}, indent=1))
+    elif args.command == "export":
+        from .train import export_checkpoint
+
+        run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
+        print(json.dumps(export_checkpoint(run_dir, args.out, getattr(torch, args.dtype)), indent=1))
     elif args.command == "train":
         from .train import TrainConfig, train
 
@@ -128,8 +141,16 @@ def main(argv: list[str] | None = None) -> None:
         model = load_model(args.target, dtype=args.dtype)
         run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
         corpora = [_corpus_dir(c) for c in args.corpus.split(",")]
+        vocab_counts = None
+        if args.vocab_prompts:
+            from .corpus import check_not_eval, read_prompts
+
+            check_not_eval(args.vocab_prompts)
+            tok = load_tokenizer(args.target)
+            ids = [t for s in _tokenize(tok, read_prompts(args.vocab_prompts), 10**9) for t in s]
+            vocab_counts = torch.bincount(torch.tensor(ids), minlength=model.get_output_embeddings().weight.shape[0])
         head, summary = train(model, corpora if len(corpora) > 1 else corpora[0], run_dir, cfg, init_head=args.init_head,
-                              progress=not args.no_progress, device=args.device)
+                              progress=not args.no_progress, device=args.device, vocab_counts=vocab_counts)
         if args.export:
             head.save(args.export, dtype=getattr(torch, args.export_dtype), extra={"summary": summary})
         print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))

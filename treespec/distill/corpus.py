@@ -98,14 +98,31 @@ def load_manifest(out_dir: str | Path) -> dict:
     return json.loads((Path(out_dir) / MANIFEST).read_text())
 
 
-def _continue(model, seq: list[int], opts: CorpusOptions, index: int) -> list[int]:
-    from ..generate import GenerationConfig, generate
-    from ..sampling import SamplingConfig
+def _continue(model, batch: list[list[int]], opts: CorpusOptions, index: int) -> list[list[int]]:
+    """The target's own continuations of a batch of sequences (one batched ``generate``, left padding),
+    each cut after its first EOS. Greedy, or sampled at temperature 1 with a seed fixed by ``index``."""
+    from ..generate import eos_token_ids
 
-    temp = 0.0 if opts.continuation == "greedy" else 1.0
-    cfg = GenerationConfig(max_new_tokens=opts.new_tokens, sampling=SamplingConfig(temp),
-                           seed=opts.seed * 1_000_003 + index, stop_on_eos=True)
-    return generate(model, seq, None, cfg).token_ids
+    device = next(model.parameters()).device
+    width = max(len(s) for s in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    att = torch.zeros(len(batch), width, dtype=torch.long)
+    for k, s in enumerate(batch):
+        ids[k, width - len(s):] = torch.tensor(s)
+        att[k, width - len(s):] = 1
+    eos = eos_token_ids(model)
+    pad = model.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) else (min(eos) if eos else 0)
+    sample = opts.continuation == "sample"
+    torch.manual_seed(opts.seed * 1_000_003 + index)
+    out = model.generate(ids.to(device), attention_mask=att.to(device), max_new_tokens=opts.new_tokens,
+                         do_sample=sample, temperature=1.0 if sample else None, top_k=0 if sample else None,
+                         top_p=1.0 if sample else None, pad_token_id=pad)[:, width:].tolist()
+    conts = []
+    for row in out:
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        conts.append(row[:cut])
+    return conts
 
 
 @torch.no_grad()
@@ -179,11 +196,9 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
                 flush()
             break
         batch = seqs[i:i + opts.batch_size]
-        full, gen_start = [], []
-        for k, s in enumerate(batch):
-            cont = _continue(model, s, opts, i + k) if opts.continuation != "none" else []
-            full.append(s + cont)
-            gen_start.append(len(s))
+        conts = _continue(model, batch, opts, i) if opts.continuation != "none" else [[] for _ in batch]
+        full = [s + c for s, c in zip(batch, conts)]
+        gen_start = [len(s) for s in batch]
         lens = [len(s) for s in full]
         t = max(lens)
         ids = torch.zeros(len(full), t, dtype=torch.long)

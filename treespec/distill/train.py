@@ -84,8 +84,12 @@ def corpus_shards(corpus_dir) -> list[tuple[Path, dict]]:
     return [(Path(d) / sh["file"], sh) for d in dirs for sh in load_manifest(d)["shards"]]
 
 
-def choose_vocab(corpus_dir, size: int, always: list[int] = ()) -> torch.Tensor:
-    """The ``size`` most frequent target tokens of the corpus (next tokens + top-k mass), sorted ids."""
+def choose_vocab(corpus_dir, size: int, always: list[int] = (), extra_counts: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """The ``size`` most frequent target tokens of the corpus (next tokens + top-k mass), sorted ids.
+
+    ``extra_counts`` ``[V]`` (e.g. token counts of every train prompt, available before the corpus
+    is finished) is added to the corpus counts."""
     from safetensors import safe_open
 
     first = corpus_dir if isinstance(corpus_dir, (str, Path)) else corpus_dir[0]
@@ -94,6 +98,8 @@ def choose_vocab(corpus_dir, size: int, always: list[int] = ()) -> torch.Tensor:
     for path, _ in corpus_shards(corpus_dir):
         with safe_open(str(path), framework="pt") as fh:
             counts += fh.get_tensor("counts").double()
+    if extra_counts is not None:
+        counts += extra_counts.double().to(counts.device)
     for t in always:
         counts[t] = float("inf")
     size = min(size, man["vocab_size"])
@@ -217,10 +223,11 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
           init_head: str | Path | None = None, progress: bool = True, device: str | torch.device | None = None,
-          log=print) -> tuple[EagleHead, dict]:
+          vocab_counts: torch.Tensor | None = None, log=print) -> tuple[EagleHead, dict]:
     """Train (or resume) a head; returns (head, summary). ``run_dir`` holds checkpoints + ``head.safetensors``.
 
     ``corpus_dir``: one corpus directory or a list (shards drawn in proportion to their positions).
+    ``vocab_counts`` ``[V]``: extra token counts for choosing a new run's vocabulary subset.
 
     Resumes from the newest checkpoint in ``run_dir`` when there is one (its config's model
     fields win); ``init_head`` starts a new run from existing head weights (e.g. the shipped draft).
@@ -251,7 +258,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     else:
         from ..generate import eos_token_ids
 
-        ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)))
+        ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts)
         head = new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                         intermediate_size=cfg.intermediate_size, seed=cfg.seed)
     head = head.to(device).float()
@@ -318,3 +325,18 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "summary": summary})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return head, summary
+
+
+def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype = torch.float16) -> dict:
+    """Write the newest checkpoint of ``run_dir`` as a head file (no target needed); returns its summary."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ValueError(f"{run_dir}: no checkpoint to export")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
+    head.load_state_dict(state["head"])
+    summary = {"checkpoint": str(ckpt), "step": state["step"], "train_config": state["train_config"],
+               "corpus": state.get("corpus"), "trained_parameters": head.num_trained_parameters,
+               "vocab_subset": int(head.vocab_ids.numel())}
+    head.save(out, dtype=dtype, extra={"summary": summary})
+    return {"out": str(out), "bytes": Path(out).stat().st_size, **summary}

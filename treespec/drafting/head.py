@@ -242,15 +242,25 @@ class HeadDrafter:
     ``shape`` is anything with ``branching`` (children per node at each depth) and ``law`` (a
     :data:`treespec.tree.DRAFT_LAWS` name), e.g. :class:`treespec.drafting.model.StaticTreeShape`.
     At temperature 0 children are the deterministic top-k of the draft logits.
+
+    ``min_confidence``: for deterministic candidates only (temperature 0 or law "deterministic"),
+    a child is kept only if the head gives it at least this probability, and the tree stops
+    growing when no child is kept (EAGLE-2's observation that draft confidence predicts
+    acceptance, arXiv 2406.16858). Choosing candidates by the draft alone keeps them
+    deterministic candidates, so verification stays lossless; sampled children are never pruned
+    (that would change their law). Costs one host sync per depth.
     """
 
-    def __init__(self, head: EagleHead, shape) -> None:
+    def __init__(self, head: EagleHead, shape, min_confidence: float = 0.0) -> None:
         if head._embed is None:
             raise ValueError("attach the head to the target before drafting")
         if shape.law not in DRAFT_LAWS:
             raise ValueError(f"unknown draft law {shape.law!r}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.head = head.eval()
         self.shape = shape
+        self.min_confidence = float(min_confidence)
         self.device = head.fc.weight.device
         self.begin([])
 
@@ -342,9 +352,21 @@ class HeadDrafter:
             m = sub_logits.shape[0]
             if law == "deterministic":
                 kk = min(k, ids.numel())
-                kids = ids[torch.topk(sub_logits, kk, dim=-1).indices]  # [M, kk]
+                top = torch.topk(sub_logits, kk, dim=-1)
+                kids = ids[top.indices]  # [M, kk]
                 q, valid = None, None
                 k = kk
+                if self.min_confidence > 0.0:
+                    conf = torch.softmax(sub_logits, dim=-1).gather(1, top.indices)  # [M, kk]
+                    keep = conf >= self.min_confidence
+                    if not bool(keep.any()):
+                        break
+                    new_parents = frontier[:, None].expand(-1, k)[keep]
+                    start = tokens.numel()
+                    parents = torch.cat([parents, new_parents])
+                    tokens = torch.cat([tokens, kids[keep]])
+                    frontier = torch.arange(start, tokens.numel(), device=device)
+                    continue
             else:
                 q = torch.zeros(m, vocab, dtype=torch.float32, device=device)
                 q[:, ids] = logits_to_probs(sub_logits, sampling)  # exactly 0 outside the subset

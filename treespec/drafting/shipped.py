@@ -1,0 +1,31 @@
+"""The draft head shipped with treespec for the embedded Gemma-3-270M.
+
+``treespec/assets/gemma3-270m-head.safetensors`` is an :class:`~treespec.drafting.head.EagleHead`
+distilled with ``python -m treespec.distill`` (its model card, with the corpus, training run and
+measured metrics, is ``treespec/assets/gemma3-270m-head.md``). It loads offline and attaches to
+the target's own embedding and LM-head rows, so it only works with that target: loading it for
+another model raises a clear error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .head import EagleHead
+
+#: the shipped weights (fp16, <= 16 MB)
+DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-head.safetensors"
+
+#: how the CLI drafts with it by default (chosen by benchmarks/run.py on this machine, fp32, T=0)
+DEFAULT_HEAD_SETTINGS = {"tree": (1, 1, 1), "min_confidence": 0.3}
+
+
+def load_default_head(target) -> EagleHead:
+    """The shipped head, attached to ``target`` (the embedded Gemma-3-270M)."""
+    if not DEFAULT_HEAD.exists():
+        raise FileNotFoundError(f"the shipped draft head is missing ({DEFAULT_HEAD}); reinstall treespec or "
+                                "pass --draft ngram")
+    try:
+        return EagleHead.load(DEFAULT_HEAD, target)
+    except ValueError as err:
+        raise ValueError(f"the shipped draft head belongs to the embedded Gemma-3-270M: {err}") from err
