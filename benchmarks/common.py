@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 SPEC_BENCH = SHARED / "data" / "eval" / "spec_bench.prompts.jsonl"
 HUMANEVAL = SHARED / "data" / "eval" / "humaneval.prompts.jsonl"
+TRAIN_PROMPTS = SHARED / "data" / "train" / "train_prompts.jsonl"
 SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
@@ -63,6 +64,16 @@ def load_prompts(per_subtask: int, humaneval: int = 0) -> list[dict]:
     if humaneval:
         he = [json.loads(line) for line in HUMANEVAL.read_text().splitlines() if line.strip()]
         chosen += [dict(r, subtask="humaneval") for r in he[:humaneval]]
+    return chosen
+
+
+def load_train_prompts(per_category: int) -> list[dict]:
+    """Tuning prompts from ../shared/data/train (never the eval set): the last ``per_category`` rows
+    of each category in file order, labelled by category in ``subtask``."""
+    rows = [json.loads(line) for line in TRAIN_PROMPTS.read_text(encoding="utf-8").split("\n") if line.strip()]
+    chosen: list[dict] = []
+    for cat in sorted({r["category"] for r in rows}):
+        chosen += [dict(r, subtask=cat) for r in rows if r["category"] == cat][-per_category:]
     return chosen
 
 

@@ -31,7 +31,14 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import git_commit, load_prompts, machine_info, results_dir, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    git_commit,
+    load_prompts,
+    load_train_prompts,
+    machine_info,
+    results_dir,
+    write_json,
+)
 from treespec.drafting.model import ModelDrafter, StaticTreeShape  # noqa: E402
 from treespec.drafting.ngram import NgramConfig, NgramDrafter  # noqa: E402
 from treespec.generate import GenerationConfig, generate  # noqa: E402
@@ -97,6 +104,30 @@ def build_methods(model, draft, args) -> list:
         ts_method("ts_ngram_tree", model, lambda: NgramDrafter(NgramConfig(
             depth=args.ngram_depth, branches=args.ngram_branches, max_nodes=args.ngram_nodes))),
     ]
+    # one store for the whole run: it learns from every earlier prompt and output (online adaptation)
+    from treespec.drafting.online import OnlineNgramConfig, OnlineNgramDrafter
+
+    online = OnlineNgramDrafter(OnlineNgramConfig(NgramConfig(depth=args.ngram_depth, branches=1, adaptive=True)))
+    online_method = ts_method("ts_online_ngram", model, lambda: online)
+    online_method.reset = lambda: online.__init__(online.config)  # a fresh store per temperature
+    methods.append(online_method)
+    if args.head:  # the trained draft head (EAGLE-style): alone, and behind prompt lookup
+        from treespec.drafting.head import EagleHead, HeadDrafter
+        from treespec.drafting.hybrid import LookupHeadDrafter
+        from treespec.drafting.shipped import load_default_head
+
+        head = load_default_head(model) if args.head == "shipped" else EagleHead.load(args.head, model)
+        chain = tuple(args.head_tree)
+
+        def head_drafter(confidence: float) -> HeadDrafter:
+            return HeadDrafter(head, StaticTreeShape(chain), min_confidence=confidence)
+
+        methods += [
+            ts_method("ts_head_chain", model, lambda: head_drafter(0.0)),
+            ts_method("ts_head_confident", model, lambda: head_drafter(args.head_confidence)),
+            ts_method("ts_lookup_head", model, lambda: LookupHeadDrafter(NgramDrafter(NgramConfig(
+                depth=args.ngram_depth, branches=1, adaptive=True)), head_drafter(args.head_confidence))),
+        ]
     if draft is not None:
         methods += [
             hf_method("hf_assisted", model, counter, draft=draft),
@@ -204,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 prompt per subtask, 32 new tokens, T=0 only")
     ap.add_argument("--per-subtask", type=int, default=10)
+    ap.add_argument("--prompt-set", choices=["eval", "train"], default="eval",
+                    help="eval: Spec-Bench + HumanEval (measurement); train: ../shared/data/train prompts per "
+                         "category, for tuning drafter settings without touching the eval set (results/tuning/)")
     ap.add_argument("--humaneval", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -212,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft", default=None, help="draft model path/id (enables HF assisted and model drafts)")
     ap.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
+    ap.add_argument("--head", default=None,
+                    help="'shipped' or a head .safetensors: adds ts_head_chain, ts_head_confident, ts_lookup_head")
+    ap.add_argument("--head-tree", type=int, nargs="+", default=[1, 1, 1], help="children per depth of head trees")
+    ap.add_argument("--head-confidence", type=float, default=0.3, help="min_confidence of the confident variants")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--ngram-depth", type=int, default=8)
     ap.add_argument("--ngram-branches", type=int, default=4)
@@ -223,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     tok = load_tokenizer("embedded")
-    prompts = load_prompts(args.per_subtask, args.humaneval)
-    out = results_dir("speed", args.tag)
+    if args.prompt_set == "train":  # tuning runs: train prompts only, results kept apart
+        prompts = load_train_prompts(args.per_subtask)
+        out = results_dir("tuning", args.tag)
+    else:
+        prompts = load_prompts(args.per_subtask, args.humaneval)
+        out = results_dir("speed", args.tag)
     meta = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine_info(), "settings": {k: v for k, v in vars(args).items()},
             "prompts": [p["id"] for p in prompts]}
@@ -238,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:  # warm-up
             m(warm, 8, 0.0, 0)
         for temp in args.temperatures:
+            for m in methods:  # stateful methods (the online store) start empty at each temperature
+                getattr(m, "reset", lambda: None)()
             bar = tqdm(prompts, desc=f"{dtype} T={temp:g}", unit="prompt")
             for p in bar:
                 ids = tok(p["prompt"])["input_ids"]

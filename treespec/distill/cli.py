@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
                                      progress=not args.no_progress)
         m0 = one_step_metrics(model, head, prompts, greedy)
         m1 = one_step_metrics(model, head, prompts, sampled)
-        result = {"head": path, "prompts": len(prompts), "positions_T0": m0["positions"],
+        result = {"head": path, "prompts": len(prompts), "new_tokens": args.new_tokens, "positions_T0": m0["positions"],
                   "top1_agreement_T0": m0["top1_agreement"], "positions_T1": m1["positions"],
                   "sum_min_pq_T1": m1["sum_min_pq"], "trained_parameters": head.num_trained_parameters,
                   "vocab_subset": int(head.vocab_ids.numel()), "step_cost": step_cost(model, head),
