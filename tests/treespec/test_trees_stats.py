@@ -8,7 +8,8 @@ Cases: a Medusa-style shape whose draws without replacement are truncated by top
 children and their subtrees go missing), DySpec heap trees (children drawn at different times,
 shape driven by revealed draft masses), EAGLE-2 reranked candidates merged with an n-gram trie
 (deterministic candidates), and (only with the full N) SpecTr-style independent chains verified by
-K-SEQ."""
+K-SEQ. Then the matrix: every tree builder (static shapes, a Sequoia shape, DySpec heap and
+threshold, EAGLE-2) with every draft law it accepts, each verified by the verifier of that law."""
 
 import os
 
@@ -50,4 +51,42 @@ def test_first_three_tokens_follow_target_law(models, case, monkeypatch):  # noq
     monkeypatch.setattr(base, "N", N)
     counts = base.sample_counts(target, lambda: make(draft), verifier, sampling)
     p_value = g_test(counts, exact_law(target, sampling), N)
+    assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
+
+
+# Builder x draft law x verifier: every pairing the API accepts (the verifier of each law), same G test.
+IRREGULAR = TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])  # 3 / 2 / 1 children
+BINARY = TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])  # at most 2 children (spechub)
+
+
+def _sequoia_shape() -> TreeShape:
+    from treespec.trees.sequoia import SequoiaDP
+
+    return SequoiaDP([0.55, 0.2, 0.1, 0.05], max_nodes=6, max_depth=3).shape(6, 3)
+
+
+MATRIX = {
+    "shape_iid_rrs": (lambda d: ShapeDrafter(d, IRREGULAR, "iid"), "rrs"),
+    "shape_iid_kseq": (lambda d: ShapeDrafter(d, IRREGULAR, "iid"), "kseq"),
+    "shape_chain_iid_single": (lambda d: ShapeDrafter(d, TreeShape.chain(3), "iid"), "single"),
+    "shape_wor_rrs_wor": (lambda d: ShapeDrafter(d, IRREGULAR, "without_replacement"), "rrs_without_replacement"),
+    "shape_deterministic": (lambda d: ShapeDrafter(d, IRREGULAR, "deterministic"), "deterministic"),
+    "shape_greedy_draft": (lambda d: ShapeDrafter(d, IRREGULAR, "greedy_draft"), "greedy_draft"),
+    "shape_spechub": (lambda d: ShapeDrafter(d, BINARY, "spechub"), "spechub"),
+    "sequoia_iid_rrs": (lambda d: ShapeDrafter(d, _sequoia_shape(), "iid"), "rrs"),
+    "sequoia_wor_rrs_wor": (lambda d: ShapeDrafter(d, _sequoia_shape(), "without_replacement"),
+                            "rrs_without_replacement"),
+    "dyspec_threshold_wor": (lambda d: DySpecDrafter(d, 5, variant="threshold"), "rrs_without_replacement"),
+    "dyspec_heap_deterministic": (lambda d: DySpecDrafter(d, 5, law="deterministic"), "deterministic"),
+    "eagle2_deterministic": (lambda d: Eagle2Drafter(d, 5, top_k=2, depth=3), "deterministic"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_builder_law_verifier_matrix(models, case, monkeypatch):  # noqa: F811
+    target, draft = models
+    make, verifier = MATRIX[case]
+    monkeypatch.setattr(base, "N", N)
+    counts = base.sample_counts(target, lambda: make(draft), verifier, T1)
+    p_value = g_test(counts, exact_law(target, T1), N)
     assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
