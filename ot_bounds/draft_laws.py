@@ -466,54 +466,66 @@ class WorPrefixQuadrature:
         Effective number of drafts (>= 3).
     k_lo, k_hi : int
         Range of prefix lengths that will be asked for (1 <= k_lo <= k_hi <= m).
+    cache : dict, optional
+        Shared by several grids over the same ``(qs, outside, n)``: prefix sums and every grid
+        (keyed by its number of panels) are computed once.
     """
 
     block = 128
 
-    def __init__(self, qs: NDArray[np.float64], outside: float, n: int, k_lo: int, k_hi: int) -> None:
+    def __init__(self, qs: NDArray[np.float64], outside: float, n: int, k_lo: int, k_hi: int,
+                 cache: dict | None = None) -> None:
+        cache = {} if cache is None else cache  # shared by grids over the same (qs, outside, n)
         self.qs, self.n = qs, n
-        self.s_all = np.cumsum(qs)  # shape (m,)
-        # mass after each prefix, summed from the small end (1 - s_k would lose the digits of c_k ~ 1e-12)
-        self.after = np.concatenate((np.cumsum(qs[::-1])[::-1][1:], [0.0])) + outside  # shape (m,)
         self.k_hi = int(k_hi)
-        self.top = np.sort(top_indices(qs[: self.k_hi], 256))  # the 256 largest of the range, by position
-        r_lo = float(self.s_all[k_lo - 1]
-                     - _prefix_top_mass(qs[: self.k_hi], np.array([k_lo]), n - 1, top=self.top)[0])
+        if "base" not in cache:
+            s_all = np.cumsum(qs)  # shape (m,)
+            # mass after each prefix, summed from the small end (1 - s_k would lose the digits of c_k ~ 1e-12)
+            after = np.concatenate((np.cumsum(qs[::-1])[::-1][1:], [0.0])) + outside  # shape (m,)
+            cache["base"] = (s_all, after, np.sort(top_indices(qs, 256)))  # the 256 largest, by position
+        self.s_all, self.after, self.top = cache["base"]
+        r_lo = float(self.s_all[k_lo - 1] - _prefix_top_mass(qs, np.array([k_lo]), n - 1, top=self.top)[0])
         self.r_min = max(r_lo, 1e-3)
         t_end = ((n - 1) * np.log(self.k_hi + 1.0) + 40.0) / self.r_min
         t_start = 1e-3
         n_panels = max(1, int(np.ceil(np.log2(t_end / t_start))))
+        # the grid depends only on n_panels (its end t_start 2^n_panels >= t_end): shared through the cache
+        if ("grid", n_panels) not in cache:
+            cache[("grid", n_panels)] = self._grid(qs, n, t_start, n_panels)
+        self.nodes, self.weights, self.tiny, self.block_cum, self.big_pos, self.hist, self.tpow = \
+            cache[("grid", n_panels)]
+
+    @classmethod
+    def _grid(cls, qs: NDArray[np.float64], n: int, t_start: float, n_panels: int) -> tuple:
         edges = np.concatenate(([0.0], t_start * 2.0 ** np.arange(n_panels + 1)))
-        edges[-1] = max(edges[-1], t_end)
         lo, hi = edges[:-1, None], edges[1:, None]
-        self.nodes = (0.5 * (hi - lo) * _GL_NODES[None, :] + 0.5 * (hi + lo)).ravel()  # shape (M,)
-        self.weights = (0.5 * (hi - lo) * _GL_WEIGHTS[None, :]).ravel()  # shape (M,)
-        head = qs[: self.k_hi]
-        self.tiny = head <= _TINY_REACH / edges[-1]  # shape (k_hi,)
+        nodes = (0.5 * (hi - lo) * _GL_NODES[None, :] + 0.5 * (hi + lo)).ravel()  # shape (M,)
+        weights = (0.5 * (hi - lo) * _GL_WEIGHTS[None, :]).ravel()  # shape (M,)
+        tiny = qs <= _TINY_REACH / edges[-1]  # shape (m,)
         # block sums of the tiny moments: shape (blocks + 1, 17), cumulative
-        b = self.block
-        nb = -(-head.size // b)
+        b = cls.block
+        nb = -(-qs.size // b)
         x = np.zeros(nb * b)
-        x[: head.size] = np.where(self.tiny, head, 0.0)
+        x[: qs.size] = np.where(tiny, qs, 0.0)
         x = x.reshape(nb, b)
         sums = np.empty((nb, _M_TINY + 1))
-        sums[:, 0] = np.add.reduceat(np.concatenate((self.tiny, np.zeros(nb * b - head.size, bool))),
+        sums[:, 0] = np.add.reduceat(np.concatenate((tiny, np.zeros(nb * b - qs.size, bool))),
                                      np.arange(0, nb * b, b)) if nb else 0.0
         acc = np.ones_like(x)
         for j in range(1, _M_TINY + 1):
             acc = acc * x
             sums[:, j] = acc.sum(axis=1)
-        self.block_cum = np.concatenate((np.zeros((1, _M_TINY + 1)), np.cumsum(sums, axis=0)))
+        block_cum = np.concatenate((np.zeros((1, _M_TINY + 1)), np.cumsum(sums, axis=0)))
         # exact DP over the non-tiny tokens, state after each of them: shape (big + 1, M, n)
-        self.big_pos = np.flatnonzero(~self.tiny)
-        hist = np.zeros((self.big_pos.size + 1, self.nodes.size, n))
+        big_pos = np.flatnonzero(~tiny)
+        hist = np.zeros((big_pos.size + 1, nodes.size, n))
         hist[0, :, 0] = 1.0
-        for j, pos in enumerate(self.big_pos):
-            y = -np.expm1(-qs[pos] * self.nodes)[:, None]
+        for j, pos in enumerate(big_pos):
+            y = -np.expm1(-qs[pos] * nodes)[:, None]
             hist[j + 1] = hist[j] * (1.0 - y)
             hist[j + 1, :, 1:] += hist[j, :, :-1] * y
-        self.hist = hist
-        self.tpow = self.nodes[None, :] ** np.arange(_M_TINY + 1)[:, None]  # shape (17, M)
+        tpow = nodes[None, :] ** np.arange(_M_TINY + 1)[:, None]  # shape (17, M)
+        return nodes, weights, tiny, block_cum, big_pos, hist, tpow
 
     def _moments(self, ks: NDArray[np.int64]) -> NDArray[np.float64]:
         """Tiny moments of each prefix, shape (K, 17)."""
@@ -524,7 +536,7 @@ class WorPrefixQuadrature:
         if rem.any():
             idx = (full * b)[:, None] + np.arange(b)[None, :]  # shape (K, b)
             ok = np.arange(b)[None, :] < rem[:, None]
-            idx = np.minimum(idx, self.k_hi - 1)
+            idx = np.minimum(idx, self.qs.size - 1)
             x = np.where(ok & self.tiny[idx], self.qs[idx], 0.0)
             out[:, 0] += (ok & self.tiny[idx]).sum(axis=1)
             acc = np.ones_like(x)
@@ -544,7 +556,7 @@ class WorPrefixQuadrature:
             raise ValueError("prefix longer than the range this grid was built for")
         s_k = self.s_all[ks - 1]
         c_k = np.maximum(self.after[ks - 1], 0.0)
-        r_k = s_k - _prefix_top_mass(self.qs[: self.k_hi], ks, n - 1, top=self.top)
+        r_k = s_k - _prefix_top_mass(self.qs, ks, n - 1, top=self.top)
         slow = (r_k < self.r_min * (1 - 1e-12)) | (c_k <= 0.0) | (ks < n)
         for idx in np.flatnonzero(slow):
             k = int(ks[idx])

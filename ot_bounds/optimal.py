@@ -83,7 +83,6 @@ from .draft_laws import (
     greedy_parts,
     one_minus,
     top_indices,
-    wor_prob_all_in_prefixes,
 )
 
 _TOL = 1e-13
@@ -163,8 +162,8 @@ def _iid(p: NDArray[np.float64], q: NDArray[np.float64], n: int) -> OptimalAccep
     return _finish(p, q, n, "iid", order[:k], q_all_in=float(big_q[k - 1] ** n) if k else None)
 
 
-def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0
-                     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0,
+                     big_p: NDArray[np.float64] | None = None) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Exact Q_2 and a valid upper bound on Q_n for all prefixes of qs.
 
     Parameters
@@ -173,6 +172,8 @@ def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0
         Draft masses in prefix order (all positive, all < 1).
     outside : float
         Draft mass of the tokens not in ``qs``.
+    big_p : ndarray, shape (m,), optional
+        Target mass of each prefix: the sharper bound is computed only where ``big_p < Q_2``.
 
     Returns
     -------
@@ -187,20 +188,28 @@ def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0
         q2 = np.where(c > 0, np.maximum(s - c * s1, 0.0), s)
     if n == 2:
         return q2, q2
-    s2 = np.cumsum(w * qs)
-    s3 = np.cumsum(w * qs * qs)
-    w2 = np.cumsum(qs * qs)
+    # Q_n <= Q_2 everywhere; the sharper bound is only worth computing where big_p - Q_2 < 0 (elsewhere
+    # the prefix cannot beat the empty set); ``ub`` falls back to ``q2`` on the other prefixes
+    ub = q2.copy()
+    idx = np.flatnonzero(big_p < q2) if big_p is not None else np.arange(qs.size)
+    if idx.size == 0:
+        return q2, np.minimum(ub + 1e-12, 1.0)
+    wq = w * qs
+    s2 = np.cumsum(wq)[idx]
+    s3 = np.cumsum(wq * qs)[idx]
+    w2 = np.cumsum(qs * qs)[idx]
+    si, ci, q2i, s1i = s[idx], c[idx], q2[idx], s1[idx]
     # E[m_2 ; first two draws in H] with m_2 the drafted mass after two draws
-    em2 = s * s2 - 2.0 * s3 + s1 * w2
+    em2 = si * s2 - 2.0 * s3 + s1i * w2
     with np.errstate(divide="ignore", invalid="ignore"):
-        mu = np.where(q2 > 0, em2 / q2, 0.0)
-        third = np.where(mu < 1.0, (s - mu) / (1.0 - mu), 1.0)
+        mu = np.divide(em2, q2i, out=np.zeros_like(em2), where=q2i > 0)
+        third = np.divide(si - mu, 1.0 - mu, out=np.ones_like(mu), where=mu < 1.0)
     third = np.clip(np.nan_to_num(third, nan=1.0), 0.0, 1.0)
     # each later draw stays in H with probability f(m_j) <= f(m_2), f(m) = (s-m)/(1-m);
     # f^(n-2) is concave on [0, M2] when (n-3) c <= 2 (s - M2), then Jensen applies
     m2 = float(qs[top_indices(qs, 2)].sum())
-    concave = (n - 3) * c <= 2.0 * (s - m2)
-    ub = np.where(concave, q2 * third ** (n - 2), q2 * third * s ** (n - 3))
+    concave = (n - 3) * ci <= 2.0 * (si - m2)
+    ub[idx] = np.where(concave, q2i * third ** (n - 2), q2i * third * si ** (n - 3))
     return q2, np.minimum(ub + 1e-12, 1.0)
 
 
@@ -217,7 +226,7 @@ def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int)
     rest = np.ones(q.size, dtype=bool)
     rest[order] = False
     outside = float(q[rest].sum())  # mass of tokens left out of the order, summed directly
-    q2, ub = _wor_upper_bound(qs, n_eff, outside)
+    q2, ub = _wor_upper_bound(qs, n_eff, outside, big_p)
     if n_eff == 2:
         k = _best_prefix(big_p - q2)
         return _finish(p, q, n, "without_replacement", order[:k], q_all_in=float(q2[k - 1]) if k else None)
@@ -243,11 +252,11 @@ def _wor_branch_and_bound(
     cand = np.flatnonzero(lower < best_val - _TOL)
     ev_idx = np.zeros(0, dtype=np.int64)  # evaluated prefixes, sorted
     ev_q = np.zeros(0)
-    quad = None
+    quad, cache = None, {}
     while cand.size:
         if quad is None:  # first round: the most promising by the closed-form bound, on their own grid
             pick = np.sort(cand[np.argsort(lower[cand], kind="stable")[:batch]])
-            q_all_in = wor_prob_all_in_prefixes(qs, pick + 1, outside, n_eff)
+            q_all_in = WorPrefixQuadrature(qs, outside, n_eff, int(pick[0]) + 1, int(pick[-1]) + 1, cache)(pick + 1)
         else:  # an even spread over the survivors, on one grid sized for all of them
             pick = cand[np.unique(np.linspace(0, cand.size - 1, batch).round().astype(np.int64))]
             q_all_in = quad(pick + 1)
@@ -267,7 +276,7 @@ def _wor_branch_and_bound(
         bound = big_p[cand] - np.minimum(ub[cand], succ_q)
         cand = cand[~done & (bound < best_val - _TOL)]
         if quad is None and cand.size:
-            quad = WorPrefixQuadrature(qs, outside, n_eff, int(cand[0]) + 1, int(cand[-1]) + 1)
+            quad = WorPrefixQuadrature(qs, outside, n_eff, int(cand[0]) + 1, int(cand[-1]) + 1, cache)
     return _finish(p, q, n, "without_replacement", order[:best_k], evals, best_q if best_k else None)
 
 
