@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", default=None,
                     help="'shipped' or a head .safetensors: adds ts_head_chain, ts_head_confident, ts_lookup_head")
     ap.add_argument("--head-tree", type=int, nargs="+", default=[1, 1, 1], help="children per depth of head trees")
-    ap.add_argument("--head-confidence", type=float, default=0.3, help="min_confidence of the confident variants")
+    ap.add_argument("--head-confidence", type=float, default=0.2, help="min_confidence of the confident variants")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--ngram-depth", type=int, default=8)
     ap.add_argument("--ngram-branches", type=int, default=4)

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
     g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
     g.add_argument("--draft", default="auto",
-                   help="'auto' (default: 'lookup+head' for the embedded target, else 'ngram'), "
+                   help="'auto' (default: 'lookup+head' for the embedded target at temperature 0, else 'ngram'), "
                         "'lookup+head' (prompt lookup where the context repeats, the shipped Gemma-3-270M draft "
                         "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone), 'none', "
                         "a draft causal LM path/id sharing the tokenizer, an EAGLE head .safetensors "
@@ -86,8 +86,8 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
     if args.plain or args.draft == "none":
         return None
     draft = args.draft
-    if draft == "auto":
-        draft = "lookup+head" if args.target == "embedded" else "ngram"
+    if draft == "auto":  # measured (benchmarks/results/speed/2026-11-22-t0, -t1): the head pays at T=0 only
+        draft = "lookup+head" if args.target == "embedded" and args.temperature == 0 else "ngram"
     if draft == "head" or draft.startswith("lookup+"):
         path = None if draft in ("head", "lookup+head") else draft.removeprefix("lookup+")
         head = _head_drafter(args, target_model, path)
