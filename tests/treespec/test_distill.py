@@ -238,14 +238,7 @@ def test_output_law_at_t1_is_the_targets(tmp_path):
     with cells of expected count < 5 pooled, alpha = 1e-3."""
     from .test_end_to_end_stats import PROMPT, exact_law
 
-    small = tiny_model("llama", 6, seed=0, logit_scale=6.0)
-    seqs = [[1 + b % 5 for b in p] for p in prompts()]
-    with torch.enable_grad():
-        # no stored soft labels here (topk=0): training takes them from the target's hidden states
-        build_corpus(small, seqs, tmp_path / "c", CorpusOptions(topk=0, shard_positions=10**6), progress=False)
-        head, _ = train(small, tmp_path / "c", tmp_path / "r",
-                        TrainConfig(**{**CFG.__dict__, "steps": 15, "vocab_size": 4, "soft": "subset"}), progress=False,
-                        log=lambda *_: None)
+    small, head = _small_head(tmp_path)  # no stored soft labels (topk=0): taken from the hidden states
     assert head.vocab_ids.numel() == 4
     n, counts = 600, {}
     for seed in range(n):

@@ -52,19 +52,24 @@ def find_continuations(seq: np.ndarray, config: NgramConfig, depth: int) -> list
         tail = seq[length - n:]
         windows = np.lib.stride_tricks.sliding_window_view(seq[:length - 1], n)  # [length - n, n]
         starts = np.flatnonzero((windows == tail).all(axis=1))[::-1]  # most recent first
-        conts: list[list[int]] = []
-        seen: set[tuple[int, ...]] = set()
-        for s in starts:
-            cont = seq[s + n: s + n + depth].tolist()
-            key = tuple(cont)
-            if cont and key not in seen:
-                seen.add(key)
-                conts.append(cont)
-                if len(conts) == config.branches:
-                    break
+        conts = distinct(((seq[s + n: s + n + depth].tolist()) for s in starts), config.branches)
         if conts:
             return conts
     return []
+
+
+def distinct(candidates, limit: int) -> list[list[int]]:
+    """The first ``limit`` distinct non-empty token lists of ``candidates`` (an iterable), in order."""
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for cont in candidates:
+        key = tuple(cont)
+        if cont and key not in seen:
+            seen.add(key)
+            out.append(cont)
+            if len(out) == limit:
+                break
+    return out
 
 
 def trie_tree(root: int, branches: list[list[int]], max_nodes: int,

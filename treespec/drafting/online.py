@@ -23,9 +23,13 @@ import torch
 from ..sampling import SamplingConfig
 from ..verify import VerifyResult
 from .base import Draft, DraftState
-from .ngram import NgramConfig, trie_tree
+from .ngram import NgramConfig, distinct, trie_tree
 
 _SEP = -1  # separates requests in the store: no n-gram or continuation crosses it
+
+
+def _until_sep(tokens: list[int]) -> list[int]:
+    return tokens[:tokens.index(_SEP)] if _SEP in tokens else tokens
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,8 @@ class OnlineNgramDrafter:
             positions = self.index.get(tuple(tokens[-n:]))
             if not positions:
                 continue
-            conts: list[list[int]] = []
-            seen: set[tuple[int, ...]] = set()
-            for pos in reversed(positions):  # most recent first
-                cont = store[pos:pos + depth]
-                if _SEP in cont:
-                    cont = cont[:cont.index(_SEP)]
-                key = tuple(cont)
-                if cont and key not in seen:
-                    seen.add(key)
-                    conts.append(cont)
-                    if len(conts) == cfg.branches:
-                        break
+            conts = distinct((_until_sep(store[pos:pos + depth]) for pos in reversed(positions)),  # most recent first
+                             cfg.branches)
             if conts:
                 return conts
         return []
