@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from treespec.drafting.head import EagleHead  # noqa: E402
 from treespec.drafting.ngram import NgramConfig, NgramDrafter  # noqa: E402
 from treespec.generate import GenerationConfig, generate  # noqa: E402
 from treespec.sampling import SamplingConfig  # noqa: E402
@@ -116,7 +117,9 @@ def run_set(target, prompts_ids, make, cfg: GenerationConfig) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--draft", default=None, help="draft causal LM path/id (needed for model builders)")
+    ap.add_argument("--draft", default=None,
+                    help="draft for the model builders: 'head' (the shipped draft head), a head .safetensors, "
+                         "'early-exit:L', or a causal LM path/id")
     ap.add_argument("--tiny", action="store_true", help="tiny random Gemma-3 target/draft (smoke test)")
     ap.add_argument("--quick", action="store_true", help="1 prompt per subtask, 16 new tokens, budgets 8,16")
     ap.add_argument("--budgets", default="8,16,32,64")
@@ -153,7 +156,13 @@ def main(argv=None) -> int:
         tok = load_tokenizer("embedded")
         target = load_model("embedded", dtype=args.dtype)
         vocab = target.get_output_embeddings().weight.shape[0]
-        draft = load_draft_model(args.draft, target, dtype=args.dtype) if args.draft else None
+        if args.draft == "head":  # the shipped draft head (any builder drafts with it via HeadRunner)
+            from treespec.drafting.shipped import load_default_head
+            draft = load_default_head(target)
+        elif args.draft and args.draft.endswith(".safetensors"):
+            draft = EagleHead.load(args.draft, target)
+        else:
+            draft = load_draft_model(args.draft, target, dtype=args.dtype) if args.draft else None
         encode = lambda text: tok(text)["input_ids"][-args.max_prompt_tokens:]  # noqa: E731
         target_name, draft_name = "embedded gemma-3-270m", args.draft
     builders = list(MODEL_FREE) + (list(MODEL_BUILDERS) if draft is not None else [])
@@ -169,13 +178,18 @@ def main(argv=None) -> int:
     if "sequoia" in builders:
         if args.sequoia_acc:
             vec = AcceptanceVector.load(args.sequoia_acc)
-            accs = {t: vec.acc for t in temps}
+            accs = {t: vec.rows for t in temps}
         else:
             calib = [encode(p)[:128] for p in read_prompts(TRAIN, args.calib_prompts)]  # train split only
+            is_head = isinstance(draft, EagleHead)
             for t in temps:
+                # a head is calibrated per depth (it drafts from its own features below depth 1)
                 vec = measure_acceptance_vector(target, draft, calib, SamplingConfig(t), width=8,
+                                                depths=args.max_depth if is_head else 1,
                                                 generator=torch.Generator().manual_seed(0))
-                accs[t] = vec.acc
+                accs[t] = vec.rows
+                print(f"T={t} acceptance rows (depth 1..): " + "; ".join(
+                    " ".join(f"{a:.3f}" for a in row[:3]) for row in vec.rows), flush=True)
 
     results = []
     warm = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(0.0), stop_on_eos=False)
@@ -194,6 +208,8 @@ def main(argv=None) -> int:
                 if name == "sequoia":  # measured (held-out eval prompts) vs predicted (train calibration)
                     shape = SequoiaDP(accs[t], b, args.max_depth).shape(b, args.max_depth)
                     r["predicted_tau"] = predicted_tau(shape, accs[t])
+                    if len(accs[t]) > 1:  # what the depth-1 vector alone (classic Sequoia) would predict
+                        r["predicted_tau_depth1_only"] = predicted_tau(shape, accs[t][0])
                 results.append({"builder": name, "budget": b, "temperature": t, **r})
                 print(f"T={t} n={b} {name}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s, "
                       f"speedup {r['speedup']:.2f}" + (f", predicted tau {r['predicted_tau']:.2f}"
@@ -219,6 +235,15 @@ def main(argv=None) -> int:
         lines.append(f"| {r['temperature']:g} | {r['builder']} | {r['budget']} | {r['mean_tree_nodes']:.1f} | "
                      f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['draft_s']:.2f} | "
                      f"{r['verify_s']:.2f} | {r['other_s']:.2f} |")
+    seq = [r for r in results if r["builder"] == "sequoia"]
+    if seq:
+        lines += ["", "Sequoia: measured tau on the eval prompts vs tau predicted from the train-prompt calibration "
+                  "(rows per depth for a head; the last column: the depth-1 row alone, classic Sequoia)", "",
+                  "| T | budget | measured | predicted | error | predicted (depth-1 row only) |", "|---|---|---|---|---|---|"]
+        for r in seq:
+            alt = r.get("predicted_tau_depth1_only")
+            lines.append(f"| {r['temperature']:g} | {r['budget']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
+                         f"{r['tau'] / r['predicted_tau'] - 1:+.1%} | " + (f"{alt:.2f} |" if alt else "- |"))
     (out / "results.md").write_text("\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")

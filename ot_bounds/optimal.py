@@ -162,6 +162,56 @@ def _iid(p: NDArray[np.float64], q: NDArray[np.float64], n: int) -> OptimalAccep
     return _finish(p, q, n, "iid", order[:k], q_all_in=float(big_q[k - 1] ** n) if k else None)
 
 
+def _wor_q2(qs: NDArray[np.float64], outside: float) -> tuple[NDArray[np.float64], tuple]:
+    """Exact ``Q_2`` of every prefix of ``qs`` and the prefix pieces the sharper bound reuses.
+
+    Returns ``q2`` (shape (m,)) and ``(w, s_raw, s, c, s1)``: ``w = q / (1 - q)``, the prefix masses
+    (raw and clipped to 1), the mass ``c`` after each prefix (summed from the small end: ``1 - s``
+    would lose every digit of ``c ~ 1e-12``) and the prefix sums of ``w``.
+    """
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        w = qs / one_minus(qs, outside=outside)
+        s_raw = np.cumsum(qs)
+        s = np.minimum(s_raw, 1.0)
+        c = np.empty_like(qs)  # c[k] = sum of qs[k + 1:] + outside
+        c[:-1] = np.cumsum(qs[:0:-1])[::-1]
+        c[-1:] = 0.0
+        c += outside
+        s1 = np.cumsum(w)
+        q2 = np.where(c > 0, np.maximum(s - c * s1, 0.0), s)
+    return q2, (w, s_raw, s, c, s1)
+
+
+def _wor_sharp_bound(qs: NDArray[np.float64], n: int, pieces: tuple, q2: NDArray[np.float64],
+                     idx: NDArray[np.int64], m2: float) -> NDArray[np.float64]:
+    """A valid upper bound on ``Q_n`` (n >= 3) at the prefixes of sorted indices ``idx`` (0-based).
+
+    ``Q_2`` times the chance that each later draw stays in ``H``: a draw made when ``m`` is drafted
+    stays with probability ``f(m) = (s - m) / (1 - m)``, decreasing in ``m``; Jensen's inequality at
+    the conditional mean ``mu`` of the mass drafted by the first two draws (closed form from three
+    prefix sums) applies where ``f^(n-2)`` is concave on ``[0, M_2]`` (``(n-3) c <= 2 (s - M_2)``,
+    ``M_2`` the two largest masses), else ``f(mu) s^(n-3)``. Prefix sums are taken over
+    ``[idx[0], idx[-1]]`` only (plus one fused reduction for everything before).
+    """
+    w, _, s, c, s1 = pieces
+    lo, hi = int(idx[0]), int(idx[-1]) + 1
+    at = idx - lo
+    qseg, wq = qs[lo:hi], w[lo:hi] * qs[lo:hi]
+    s2 = float(np.dot(w[:lo], qs[:lo])) + np.cumsum(wq)[at]
+    s3 = float(np.einsum("i,i,i->", w[:lo], qs[:lo], qs[:lo])) + np.cumsum(wq * qseg)[at]
+    w2 = float(np.dot(qs[:lo], qs[:lo])) + np.cumsum(qseg * qseg)[at]
+    si, ci, q2i, s1i = s[idx], c[idx], q2[idx], s1[idx]
+    # E[m_2 ; first two draws in H] with m_2 the drafted mass after two draws
+    em2 = si * s2 - 2.0 * s3 + s1i * w2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mu = np.divide(em2, q2i, out=np.zeros_like(em2), where=q2i > 0)
+        third = np.divide(si - mu, 1.0 - mu, out=np.ones_like(mu), where=mu < 1.0)
+    third = np.clip(np.nan_to_num(third, nan=1.0), 0.0, 1.0)
+    concave = (n - 3) * ci <= 2.0 * (si - m2)
+    ub = np.where(concave, q2i * third ** (n - 2), q2i * third * si ** (n - 3))
+    return np.minimum(ub + 1e-12, 1.0)
+
+
 def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0,
                      big_p: NDArray[np.float64] | None = None) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Exact Q_2 and a valid upper bound on Q_n for all prefixes of qs.
@@ -179,38 +229,16 @@ def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0,
     -------
     q2, ub : ndarrays, shape (m,)
     """
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        w = qs / one_minus(qs, outside=outside)
-        s = np.minimum(np.cumsum(qs), 1.0)
-        # mass after each prefix summed from the small end: 1 - s would lose every digit of c ~ 1e-12
-        c = np.concatenate((np.cumsum(qs[::-1])[::-1][1:], [0.0])) + outside
-        s1 = np.cumsum(w)
-        q2 = np.where(c > 0, np.maximum(s - c * s1, 0.0), s)
+    q2, pieces = _wor_q2(qs, outside)
     if n == 2:
         return q2, q2
     # Q_n <= Q_2 everywhere; the sharper bound is only worth computing where big_p - Q_2 < 0 (elsewhere
     # the prefix cannot beat the empty set); ``ub`` falls back to ``q2`` on the other prefixes
-    ub = q2.copy()
+    ub = np.minimum(q2 + 1e-12, 1.0)
     idx = np.flatnonzero(big_p < q2) if big_p is not None else np.arange(qs.size)
-    if idx.size == 0:
-        return q2, np.minimum(ub + 1e-12, 1.0)
-    wq = w * qs
-    s2 = np.cumsum(wq)[idx]
-    s3 = np.cumsum(wq * qs)[idx]
-    w2 = np.cumsum(qs * qs)[idx]
-    si, ci, q2i, s1i = s[idx], c[idx], q2[idx], s1[idx]
-    # E[m_2 ; first two draws in H] with m_2 the drafted mass after two draws
-    em2 = si * s2 - 2.0 * s3 + s1i * w2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        mu = np.divide(em2, q2i, out=np.zeros_like(em2), where=q2i > 0)
-        third = np.divide(si - mu, 1.0 - mu, out=np.ones_like(mu), where=mu < 1.0)
-    third = np.clip(np.nan_to_num(third, nan=1.0), 0.0, 1.0)
-    # each later draw stays in H with probability f(m_j) <= f(m_2), f(m) = (s-m)/(1-m);
-    # f^(n-2) is concave on [0, M2] when (n-3) c <= 2 (s - M2), then Jensen applies
-    m2 = float(qs[top_indices(qs, 2)].sum())
-    concave = (n - 3) * ci <= 2.0 * (si - m2)
-    ub[idx] = np.where(concave, q2i * third ** (n - 2), q2i * third * si ** (n - 3))
-    return q2, np.minimum(ub + 1e-12, 1.0)
+    if idx.size:
+        ub[idx] = _wor_sharp_bound(qs, n, pieces, q2, idx, float(qs[top_indices(qs, 2)].sum()))
+    return q2, ub
 
 
 def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int) -> OptimalAcceptance:
@@ -226,36 +254,49 @@ def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int)
     rest = np.ones(q.size, dtype=bool)
     rest[order] = False
     outside = float(q[rest].sum())  # mass of tokens left out of the order, summed directly
-    q2, ub = _wor_upper_bound(qs, n_eff, outside, big_p)
     if n_eff == 2:
+        q2, _ = _wor_q2(qs, outside)
         k = _best_prefix(big_p - q2)
         return _finish(p, q, n, "without_replacement", order[:k], q_all_in=float(q2[k - 1]) if k else None)
-    return _wor_branch_and_bound(p, q, n, n_eff, order, qs, big_p, ub, outside)
+    return _wor_branch_and_bound(p, q, n, n_eff, order, qs, big_p, outside)
+
+
+def _smallest(values: NDArray[np.float64], k: int) -> NDArray[np.int64]:
+    """Positions of the ``k`` smallest values, sorted by position (argpartition: O(len))."""
+    if values.size <= k:
+        return np.arange(values.size)
+    return np.sort(np.argpartition(values, k - 1)[:k])
 
 
 def _wor_branch_and_bound(
     p: NDArray[np.float64], q: NDArray[np.float64], n: int, n_eff: int, order: NDArray[np.int64],
-    qs: NDArray[np.float64], big_p: NDArray[np.float64], ub: NDArray[np.float64], outside: float,
-    batch: int = 64,
+    qs: NDArray[np.float64], big_p: NDArray[np.float64], outside: float, batch: int = 64,
 ) -> OptimalAcceptance:
     """Exact minimum of ``P_k - Q_k`` over prefixes ``k`` (``n >= 3`` without replacement).
 
-    Two valid upper bounds on ``Q_k`` give a lower bound on the objective of every unevaluated
-    prefix: the closed-form ``ub`` and, because prefixes are nested and ``Q`` is monotone under
-    inclusion, the exact ``Q`` of the nearest evaluated prefix at or after ``k``. Each round
-    evaluates (in one batched quadrature) up to ``batch`` survivors spread evenly over the ones still
-    able to beat the best exact value, which tightens the second bound geometrically; it stops when
-    no prefix can.  Index ``j`` is the prefix of length ``j + 1``.
+    Valid upper bounds on ``Q_k`` give a lower bound on the objective of every unevaluated prefix:
+    first the cheap ``Q_2 s^(n-2)`` (each later draw stays in ``H`` with probability at most
+    ``s``); after the first exact round, on the prefixes that survive it, the sharper Jensen bound
+    (:func:`_wor_sharp_bound`); and, because prefixes are nested and ``Q`` is monotone under
+    inclusion, the exact ``Q`` of the nearest evaluated prefix at or after ``k``. The first round
+    evaluates (one batched quadrature) the ``batch`` prefixes with the lowest cheap bound; each
+    later round up to ``batch`` survivors spread evenly over the ones still able to beat the best
+    exact value. It stops when no prefix can.  Index ``j`` is the prefix of length ``j + 1``.
     """
+    q2, pieces = _wor_q2(qs, outside)
+    _, s_raw, s, c, _ = pieces
+    ub = np.minimum(q2 * s ** (n_eff - 2) + 1e-12, 1.0)  # cheap bound, shape (m,)
     best_val, best_k, best_q, evals = 0.0, 0, 0.0, 0
-    lower = big_p - ub  # shape (m,)
-    cand = np.flatnonzero(lower < best_val - _TOL)
+    cand = np.flatnonzero(big_p - ub < best_val - _TOL)
+    top = np.sort(top_indices(qs, 256))  # the 256 largest, by position (shared with the quadrature)
+    cache: dict = {"base": (s_raw, c, top)}
+    m2 = float(np.sort(qs[top])[::-1][:2].sum())
     ev_idx = np.zeros(0, dtype=np.int64)  # evaluated prefixes, sorted
     ev_q = np.zeros(0)
-    quad, cache = None, {}
+    quad, first = None, True
     while cand.size:
-        if quad is None:  # first round: the most promising by the closed-form bound, on their own grid
-            pick = np.sort(cand[np.argsort(lower[cand], kind="stable")[:batch]])
+        if first:  # the most promising by the cheap bound, on their own grid
+            pick = cand[_smallest(big_p[cand] - ub[cand], batch)]
             q_all_in = WorPrefixQuadrature(qs, outside, n_eff, int(pick[0]) + 1, int(pick[-1]) + 1, cache)(pick + 1)
         else:  # an even spread over the survivors, on one grid sized for all of them
             pick = cand[np.unique(np.linspace(0, cand.size - 1, batch).round().astype(np.int64))]
@@ -275,8 +316,15 @@ def _wor_branch_and_bound(
         done = (nxt < ev_idx.size) & (ev_idx[at] == cand)
         bound = big_p[cand] - np.minimum(ub[cand], succ_q)
         cand = cand[~done & (bound < best_val - _TOL)]
-        if quad is None and cand.size:
-            quad = WorPrefixQuadrature(qs, outside, n_eff, int(cand[0]) + 1, int(cand[-1]) + 1, cache)
+        if first and cand.size:  # sharpen the bound where it still matters, then prune again
+            ub[cand] = np.minimum(ub[cand], _wor_sharp_bound(qs, n_eff, pieces, q2, cand, m2))
+            nxt = np.searchsorted(ev_idx, cand)
+            at = np.minimum(nxt, ev_idx.size - 1)
+            succ_q = np.where(nxt < ev_idx.size, ev_q[at], 1.0)
+            cand = cand[big_p[cand] - np.minimum(ub[cand], succ_q) < best_val - _TOL]
+            if cand.size:
+                quad = WorPrefixQuadrature(qs, outside, n_eff, int(cand[0]) + 1, int(cand[-1]) + 1, cache)
+        first = False
     return _finish(p, q, n, "without_replacement", order[:best_k], evals, best_q if best_k else None)
 
 

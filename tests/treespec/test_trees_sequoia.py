@@ -52,6 +52,32 @@ def test_dp_equals_brute_force(acc):
             assert predicted_tau(shape, acc) == pytest.approx(best, abs=1e-12)
 
 
+DEPTH_ROWS = [
+    [[0.7, 0.1], [0.5, 0.15], [0.3, 0.2]],  # acceptance falling with depth (a draft head)
+    [[0.2, 0.1, 0.1], [0.6], [0.05, 0.5]],  # rising, ragged widths, not monotone in rank
+]
+
+
+@pytest.mark.parametrize("rows", DEPTH_ROWS)
+def test_depth_dependent_dp_equals_brute_force(rows):
+    """Rows per depth (row d-1 for children at depth d, the last row beyond): DP = brute force."""
+    for n in range(0, 7):
+        dp = SequoiaDP(rows, n, 6)
+        for d in range(0, 7):
+            best = brute_force_best(rows, n, d)
+            assert dp.value(n, d) == pytest.approx(best, abs=1e-12), (n, d)
+            shape = dp.shape(n, d)
+            assert shape.num_drafted <= n and shape.max_depth <= d
+            assert predicted_tau(shape, rows) == pytest.approx(best, abs=1e-12)
+    vec = AcceptanceVector(rows[0], by_depth=rows)
+    assert SequoiaDP(vec, 5, 3).value(5, 3) == pytest.approx(brute_force_best(rows, 5, 3), abs=1e-12)
+
+
+def test_predicted_tau_with_depth_rows():
+    rows = [[0.8], [0.5]]
+    assert predicted_tau(TreeShape.chain(3), rows) == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5)
+
+
 def test_predicted_tau_of_simple_shapes():
     a = 0.7
     assert predicted_tau(TreeShape.chain(3), [a]) == pytest.approx(1 + a + a * a + a ** 3)

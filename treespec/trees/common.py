@@ -11,18 +11,36 @@ from __future__ import annotations
 import torch
 
 from ..models.compat import check_draft_vocab
+from ..drafting.base import DraftState
 from ..models.runner import ModelRunner
 from ..verify import VerifyResult
+
+
+def as_runner(model):
+    """A draft runner for ``model``: a causal LM (or its :class:`ModelRunner`) or an attached
+    :class:`~treespec.drafting.head.EagleHead` (or its :class:`~treespec.drafting.head_runner.HeadRunner`)."""
+    from ..drafting.head import EagleHead
+    from ..drafting.head_runner import HeadRunner
+
+    if isinstance(model, (ModelRunner, HeadRunner)):
+        return model
+    if isinstance(model, EagleHead):
+        return HeadRunner(model)
+    return ModelRunner(model)
 
 
 class RunnerDrafter:
     """Base of the model drafters in :mod:`treespec.trees` (holds a :class:`ModelRunner`)."""
 
     def __init__(self, model, target_vocab_size: int | None = None) -> None:
-        self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+        self.runner = as_runner(model)
         self.vocab_size = target_vocab_size or self.runner.vocab_size
-        check_draft_vocab(self.vocab_size, self.runner.model.get_input_embeddings().weight.shape[0],
-                          self.runner.vocab_size)
+        if isinstance(self.runner, ModelRunner):
+            check_draft_vocab(self.vocab_size, self.runner.model.get_input_embeddings().weight.shape[0],
+                              self.runner.vocab_size)
+        elif self.vocab_size != self.runner.vocab_size:
+            raise ValueError(f"draft head built for a {self.runner.vocab_size}-token vocabulary, target has "
+                             f"{self.vocab_size}")
         # proposed node index -> runner node index (identity when the runner's tree is the proposal)
         self._runner_index: list[int] | None = None
         self.draft_forwards = 0  # draft forward passes in the last proposal (cost accounting)
@@ -38,9 +56,15 @@ class RunnerDrafter:
             return logits
         return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
 
-    def _pending_chain(self, tokens: list[int]) -> torch.Tensor | None:
-        """Committed tokens the draft cache has not seen yet (fed with the first forward)."""
-        committed = tokens[:-1]
+    def _pending_chain(self, state: DraftState) -> torch.Tensor | None:
+        """Committed tokens the draft cache has not seen yet (fed with the first forward).
+
+        Called once at the start of every proposal; a runner that drafts from the target's hidden
+        states (:class:`~treespec.drafting.head_runner.HeadRunner`) takes them here."""
+        observe = getattr(self.runner, "observe", None)
+        if observe is not None:
+            observe(state)
+        committed = state.tokens[:-1]
         if len(committed) <= self.runner.length:
             return None
         return torch.tensor(committed[self.runner.length:], dtype=torch.long, device=self.runner.device)

@@ -116,7 +116,7 @@ class DySpecDrafter(RunnerDrafter):
         max_depth = max(state.max_depth, 0) if self.max_depth is None else min(self.max_depth, max(state.max_depth, 0))
         device = self.runner.device
         self.draft_forwards = 0
-        self._chain = self._pending_chain(state.tokens)
+        self._chain = self._pending_chain(state)
         self._parents, self._tokens = [-1], [state.tokens[-1]]
         self._depth, self._value = [0], [1.0]
         self._cands: dict[int, tuple[list[int], list[float]]] = {}

@@ -53,7 +53,7 @@ class Eagle2Drafter(RunnerDrafter):
     def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         device = self.runner.device
         self.draft_forwards = 0
-        chain = self._pending_chain(state.tokens)
+        chain = self._pending_chain(state)
         # all candidates (host lists) and the runner's tree: only the expanded candidates enter the
         # draft cache, so its tree stays <= 1 + depth * top_k nodes
         parents, tokens, value = [-1], [state.tokens[-1]], [0.0]

@@ -62,7 +62,7 @@ class ShapeDrafter(RunnerDrafter):
         kids_of = shape.children
         device = self.runner.device
         self.draft_forwards = 0
-        chain = self._pending_chain(state.tokens)
+        chain = self._pending_chain(state)
         parents, tokens, template = [-1], [state.tokens[-1]], [0]
         rows: list[torch.Tensor] = []  # q rows of expanded nodes, in node order
         expanded: list[int] = []

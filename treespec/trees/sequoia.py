@@ -58,6 +58,14 @@ class AcceptanceVector:
     acc: list[float]  # unconditional P(rank-k child accepted), k = 0..W-1
     conditional: list[float] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    #: optional rows per tree depth (row d-1: children at depth d; deeper children use the last row),
+    #: for drafts whose acceptance falls with depth (a head drafting from its own features)
+    by_depth: list[list[float]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[list[float]]:
+        """The acceptance rows the DP and :func:`predicted_tau` use (``by_depth`` if measured)."""
+        return [list(r) for r in self.by_depth] if self.by_depth else [list(self.acc)]
 
     @property
     def width(self) -> int:
@@ -97,7 +105,8 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 @torch.no_grad()
 def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling: SamplingConfig, *,
                               law: str = "without_replacement", width: int = 8, verifier: str | None = None,
-                              max_positions: int = 128, chunk: int = 64,
+                              max_positions: int = 128, chunk: int = 64, depths: int = 1,
+                              min_weight: float = 20.0,
                               generator: torch.Generator | None = None) -> AcceptanceVector:
     """Measure ``acc`` on token-id prompts (teacher-forced real positions).
 
@@ -105,60 +114,128 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     of the draft gives p and q after every prefix; at each position ``width`` children are drawn
     from q under ``law`` (at temperature 0: the draft's top-``width``, verified greedily) and the
     verifier's exact probability of accepting each rank is averaged.
+
+    ``depths > 1``: one row per tree depth 1..``depths`` (stored in ``by_depth``; :class:`SequoiaDP`
+    and :func:`predicted_tau` then use them). Two effects make acceptance depend on depth, and the
+    rows capture both:
+
+    * a draft :class:`~treespec.drafting.head.EagleHead` reads the target's true hidden states at
+      depth 1 but its own output features deeper in a tree
+      (:func:`~treespec.drafting.head_runner.head_depth_logits` emulates that along the text);
+    * F(T) multiplies acceptances along a path, so the row of depth k must be the acceptance
+      *given that the path to the node was accepted*; positions where the draft does well come in
+      runs, so that conditional acceptance grows with depth. The row of depth k therefore weights
+      each position by the probability that the text's own k-1 preceding tokens were each drafted
+      and accepted at their depth (the verifier's exact acceptance of that child given the drawn
+      children), i.e. it averages over the positions a depth-k node is actually reached from.
+      A row whose total weight is below ``min_weight`` positions copies the row above it.
     """
+    from ..drafting.head import EagleHead
+    from ..drafting.head_runner import head_depth_logits
     from ..generate import DEFAULT_VERIFIER
     from ..verify import VERIFIER_RULES
 
+    if depths < 1:
+        raise ValueError("depths must be >= 1")
     law = "deterministic" if sampling.greedy else law
     name = "greedy" if sampling.greedy else (verifier or DEFAULT_VERIFIER[law])
     rule = VERIFIER_RULES[name]
-    total = torch.zeros(width + 1, dtype=torch.float64)
-    count = 0
+    total = torch.zeros(depths, width + 1, dtype=torch.float64)
+    weight = torch.zeros(depths, dtype=torch.float64)
     vocab = target.get_output_embeddings().weight.shape[0]
+    is_head = isinstance(draft, EagleHead)
     for ids in prompts:
         ids = list(ids)[:max_positions]
-        if not ids:
+        if len(ids) < 2:
             continue
         x = torch.tensor([ids])
-        t_logits = target(x).logits[0].float()  # [L, V]
-        d_logits = draft(x).logits[0].float()
-        if d_logits.shape[-1] < vocab:
-            d_logits = torch.nn.functional.pad(d_logits, (0, vocab - d_logits.shape[-1]), value=float("-inf"))
-        for s in range(0, len(ids), chunk):
-            p = logits_to_probs(t_logits[s:s + chunk], sampling)
-            if law == "deterministic":
-                q = None
-                drafts = draw_children(d_logits[s:s + chunk], width, "deterministic")
-            else:
-                q = logits_to_probs(d_logits[s:s + chunk], sampling)
-                drafts = draw_children(q, width, law, generator)
-            choice, _ = rule(p, q, drafts.tokens, drafts.valid)  # [M, W + 1]
-            total += choice.double().clamp(min=0).sum(dim=0).cpu()
-            count += p.shape[0]
-    acc = (total[:width] / max(count, 1)).tolist()
+        if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
+            t_logits, per_depth = head_depth_logits(draft, target, x, depths)
+            nxt = x[0, 2:]  # the text token each row predicts
+        else:  # a causal LM reads the true context at every depth: the same rows serve each depth
+            t_logits = target(x).logits[0].float()  # [L, V]
+            per_depth = [draft(x).logits[0].float()] * depths
+            nxt = x[0, 1:]
+        rows_n = t_logits.shape[0]
+        text_ok = torch.zeros(rows_n, dtype=torch.float64)  # P(the next text token is drafted and accepted)
+        reach = torch.ones(rows_n, dtype=torch.float64)  # P(the path to this row's node was accepted)
+        for k, d_logits in enumerate(per_depth):
+            if k:  # level k+1 at row i hangs below level k at row i - 1
+                reach = torch.cat([reach.new_zeros(1), (reach * text_ok)[:-1]])
+            if d_logits.shape[-1] < vocab:
+                d_logits = torch.nn.functional.pad(d_logits, (0, vocab - d_logits.shape[-1]), value=float("-inf"))
+            text_ok = torch.zeros(rows_n, dtype=torch.float64)
+            first = k if is_head else 0  # a head has no depth-(k+1) node in its first k rows
+            for s in range(first, rows_n, chunk):
+                e = min(s + chunk, rows_n)
+                p = logits_to_probs(t_logits[s:e], sampling)
+                if law == "deterministic":
+                    q = None
+                    drafts = draw_children(d_logits[s:e], width, "deterministic")
+                else:
+                    q = logits_to_probs(d_logits[s:e], sampling)
+                    drafts = draw_children(q, width, law, generator)
+                choice, _ = rule(p, q, drafts.tokens, drafts.valid)  # [M, W + 1]
+                choice = choice.double().clamp(min=0).cpu()
+                w = reach[s:e]
+                total[k] += (w[:, None] * choice).sum(dim=0)
+                weight[k] += w.sum()
+                if k + 1 < depths:
+                    m = min(e, nxt.numel()) - s  # rows with a next text token
+                    if m > 0:
+                        hit = (drafts.tokens[:m].cpu() == nxt[s:s + m, None]) & drafts.valid[:m].cpu()
+                        text_ok[s:s + m] = (choice[:m, :width] * hit.double()).sum(dim=1)
+    rows = []
+    for k in range(depths):
+        if k and weight[k] < min_weight:
+            rows.append(list(rows[-1]))
+        else:
+            rows.append((total[k, :width] / max(float(weight[k]), 1e-12)).tolist())
+    acc = rows[0]
     meta = {"law": law, "verifier": name, "width": width, "temperature": sampling.temperature,
-            "top_k": sampling.top_k, "top_p": sampling.top_p, "positions": count, "prompts": len(prompts),
-            "reject_all": float(total[width] / max(count, 1))}
-    return AcceptanceVector(acc, conditional_from_unconditional(acc), meta)
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "positions": int(weight[0]), "prompts": len(prompts),
+            "reject_all": float(total[0, width] / max(float(weight[0]), 1e-12)), "depths": depths,
+            "depth_weights": [float(w) for w in weight]}
+    return AcceptanceVector(acc, conditional_from_unconditional(acc), meta, rows if depths > 1 else [])
 
 
 # ====================================================================== tree value
-def shape_value(parents: list[int] | tuple[int, ...], acc: list[float]) -> float:
-    """F(T) for a parent array (any topological order; children ranks by index order)."""
+def acceptance_rows(acc) -> list[list[float]]:
+    """Acceptance rows from a vector (one row, every depth), rows per depth, or an AcceptanceVector."""
+    if isinstance(acc, AcceptanceVector):
+        return acc.rows
+    acc = list(acc)
+    if acc and isinstance(acc[0], (list, tuple, np.ndarray)):
+        rows = [[float(a) for a in row] for row in acc]
+    else:
+        rows = [[float(a) for a in acc]]
+    if not rows or any(a < 0 for row in rows for a in row):
+        raise ValueError("acceptance probabilities must be >= 0 (and at least one row)")
+    return rows
+
+
+def shape_value(parents: list[int] | tuple[int, ...], acc) -> float:
+    """F(T) for a parent array (any topological order; children ranks by index order).
+
+    ``acc``: one acceptance vector, or rows per depth (row ``d - 1`` for children at depth ``d``;
+    deeper children use the last row)."""
+    rows = acceptance_rows(acc)
     n = len(parents)
     prob = [1.0] * n
     seen = [0] * n
+    depth = [0] * n
     for i in range(1, n):
         p = parents[i]
         rank = seen[p]
         seen[p] += 1
-        prob[i] = prob[p] * (acc[rank] if rank < len(acc) else 0.0)
+        depth[i] = depth[p] + 1
+        row = rows[min(depth[i], len(rows)) - 1]
+        prob[i] = prob[p] * (row[rank] if rank < len(row) else 0.0)
     return float(sum(prob))
 
 
-def predicted_tau(shape: TreeShape, acc: list[float] | AcceptanceVector) -> float:
-    """Expected tokens per step (accepted drafts + bonus) of a shape under ``acc``."""
-    acc = acc.acc if isinstance(acc, AcceptanceVector) else acc
+def predicted_tau(shape: TreeShape, acc) -> float:
+    """Expected tokens per step (accepted drafts + bonus) of a shape under ``acc`` (see :func:`shape_value`)."""
     return shape_value(shape.parents, acc)
 
 
@@ -168,30 +245,37 @@ class SequoiaDP:
 
     G[d][s] = best F over trees of at most s nodes (root included) and depth <= d;
     G[0][s] = 1 (s >= 1). For d >= 1 a root's children of ranks i, i+1, ... share m nodes:
-    H_i(m) = max(0, max_{1<=s<=m} acc[i] G[d-1][s] + H_{i+1}(m - s)), H_W = 0, and
+    H_i(m) = max(0, max_{1<=s<=m} a_i G[d-1][s] + H_{i+1}(m - s)), H_W = 0, and
     G[d][s] = 1 + H_0(s - 1). The "0" option stops adding children (leftover budget unused).
     O(max_depth * W * max_nodes^2), vectorised over m.
+
+    With acceptance rows per depth (``acc[k - 1]`` for children at depth ``k``, the last row beyond),
+    a subtree's value depends on its absolute depth; in a tree of depth bound D a node of remaining
+    depth d sits at depth D - d, so the same recursion holds with ``a_i`` taken from row D - d + 1.
+    :meth:`value` and :meth:`shape` for another bound d then solve the DP for d (cached).
     """
 
-    def __init__(self, acc: list[float] | AcceptanceVector, max_nodes: int, max_depth: int) -> None:
-        self.acc = list(acc.acc if isinstance(acc, AcceptanceVector) else acc)
-        if any(a < 0 for a in self.acc):
-            raise ValueError("acceptance probabilities must be >= 0")
+    def __init__(self, acc, max_nodes: int, max_depth: int) -> None:
+        self.rows = acceptance_rows(acc)
+        self.acc = self.rows[0]  # the depth-1 row (the positional vector when there is one row)
         self.max_nodes, self.max_depth = int(max_nodes), int(max_depth)
+        self._other: dict[int, "SequoiaDP"] = {}
         size = self.max_nodes + 2  # s = 0 .. max_nodes + 1 (root included)
-        width = len(self.acc)
+        self.width = width = max(len(r) for r in self.rows)
         G = np.full((self.max_depth + 1, size), -np.inf)
         G[:, 1:] = 1.0
         self.choice = np.zeros((self.max_depth + 1, width + 1, size), dtype=np.int64)
         s_idx = np.arange(size)
         for d in range(1, self.max_depth + 1):
+            row = self._row(d)
             prev = np.where(np.isfinite(G[d - 1]), G[d - 1], 0.0)  # s = 0 is masked below
             H = np.zeros(size)  # H_W
             for i in range(width - 1, -1, -1):
-                # cand[m, s] = acc[i] * G[d-1][s] + H[m - s] for 1 <= s <= m
+                a = row[i] if i < len(row) else 0.0
+                # cand[m, s] = a_i * G[d-1][s] + H[m - s] for 1 <= s <= m
                 diff = s_idx[:, None] - s_idx[None, :]  # m - s
                 cand = np.where((s_idx[None, :] >= 1) & (diff >= 0),
-                                self.acc[i] * prev[None, :] + H[np.clip(diff, 0, None)], -np.inf)
+                                a * prev[None, :] + H[np.clip(diff, 0, None)], -np.inf)
                 best_s = cand.argmax(axis=1)
                 best = cand[s_idx, best_s]
                 take = best > 0.0  # strictly better than stopping
@@ -200,19 +284,38 @@ class SequoiaDP:
             G[d, 1:] = 1.0 + H[: size - 1]
         self.G = G
 
+    @property
+    def depth_dependent(self) -> bool:
+        return len(self.rows) > 1
+
+    def _row(self, d: int) -> list[float]:
+        """Acceptance row of the children of a node with remaining depth d."""
+        depth = self.max_depth - d + 1 if self.depth_dependent else 1
+        return self.rows[min(depth, len(self.rows)) - 1]
+
+    def _for_depth(self, d: int) -> "SequoiaDP":
+        d = min(d, self.max_depth)
+        if not self.depth_dependent or d == self.max_depth:
+            return self
+        if d not in self._other:
+            self._other[d] = SequoiaDP(self.rows, self.max_nodes, d)
+        return self._other[d]
+
     def value(self, n: int, d: int) -> float:
         """Best F with at most n drafted nodes and depth <= d (predicted tau)."""
-        return float(self.G[min(d, self.max_depth), n + 1])
+        dp = self._for_depth(d)
+        return float(dp.G[dp.max_depth, n + 1]) if dp is not self else float(self.G[min(d, self.max_depth), n + 1])
 
     def shape(self, n: int, d: int) -> TreeShape:
         """An optimal shape for (n, d)."""
-        d = min(d, self.max_depth)
+        dp = self._for_depth(d)
+        d = min(d, dp.max_depth)
         parents = [-1]
 
         def build(node: int, size: int, depth: int) -> None:
             m, i = size - 1, 0
-            while depth > 0 and i < len(self.acc) and m > 0:
-                s = int(self.choice[depth, i, m])
+            while depth > 0 and i < dp.width and m > 0:
+                s = int(dp.choice[depth, i, m])
                 if s == 0:
                     break
                 child = len(parents)
@@ -245,7 +348,7 @@ def enumerate_shapes(num_nodes: int) -> list[tuple[int, ...]]:
     return [tuple([-1] + f) for f in forests(num_nodes - 1, 1, 0)]
 
 
-def brute_force_best(acc: list[float], max_nodes: int, max_depth: int) -> float:
+def brute_force_best(acc, max_nodes: int, max_depth: int) -> float:
     """max F over all ordered trees with at most ``max_nodes`` drafted nodes and depth <= d."""
     best = -math.inf
     for total in range(1, max_nodes + 2):

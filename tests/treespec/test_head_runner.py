@@ -1,0 +1,196 @@
+"""The trained draft head behind every tree builder (:class:`treespec.drafting.head_runner.HeadRunner`).
+
+1. Reference: growing per-depth widths through the runner gives, at every step, the same tree and
+   the same draft probabilities as :class:`~treespec.drafting.head.HeadDrafter` (the head's own,
+   separately written level-by-level drafter), on the tiny Gemma-3 target of test_distill.
+2. Greedy output of every builder drafting with the head equals plain greedy decoding (fp32).
+3. Output law at T = 1 (head of test_distill's ``_small_head`` on the vocabulary-6 Llama, vocabulary
+   subset of 4 tokens so q = 0 on two tokens): the first three generated tokens follow the exact target
+   law for DySpec trees without replacement and a Sequoia shape drawn i.i.d.; seeds 0..N-1, N = 400,
+   G test with cells of expected count < 5 pooled, alpha = 1e-3. The twin (draft probabilities
+   replaced by a uniform q the children were not drawn from) must fail the same test.
+"""
+
+import pytest
+import torch
+
+from treespec.drafting.base import Draft, DraftState
+from treespec.drafting.head import HeadDrafter
+from treespec.drafting.head_runner import HeadRunner, head_depth_logits
+from treespec.drafting.model import StaticTreeShape
+from treespec.drafting.ngram import NgramConfig
+from treespec.generate import GenerationConfig, generate
+from treespec.sampling import SamplingConfig
+from treespec.tree import TokenTree
+from treespec.trees.dyspec import DySpecDrafter
+from treespec.trees.eagle2 import Eagle2Drafter
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.merged import MergedDrafter
+from treespec.trees.sequoia import SequoiaDP, measure_acceptance_vector
+from treespec.trees.shape import TreeShape
+
+from .test_distill import _small_head, corpus, prompts, target, trained  # noqa: F401
+from .test_end_to_end_stats import ALPHA, PROMPT, exact_law, g_test
+
+N = 400
+
+
+class _Twin:
+    """Runs HeadDrafter and the runner-based ShapeDrafter side by side and checks they agree."""
+
+    def __init__(self, head, widths, law):
+        self.ref = HeadDrafter(head, StaticTreeShape(widths, law))
+        self.new = ShapeDrafter(head, TreeShape.widths(widths), law)
+        self.steps = 0
+
+    def law(self, sampling):
+        return self.ref.law(sampling)
+
+    def begin(self, prompt):
+        self.ref.begin(prompt)
+        self.new.begin(prompt)
+
+    def propose(self, state, sampling, generator):
+        g1 = g2 = None
+        if generator is not None:
+            g1, g2 = torch.Generator().manual_seed(self.steps), torch.Generator().manual_seed(self.steps)
+        a = self.ref.propose(state, sampling, g1)
+        b = self.new.propose(state, sampling, g2)
+        assert a.tree.parents.tolist() == b.tree.parents.tolist()
+        assert a.tree.tokens.tolist() == b.tree.tokens.tolist()
+        if a.draft_probs is not None:
+            assert torch.allclose(a.draft_probs, b.draft_probs, atol=1e-5)
+        self.steps += 1
+        return b
+
+    def accept(self, result, emitted):
+        self.ref.accept(result, emitted)
+        self.new.accept(result, emitted)
+
+
+@pytest.mark.parametrize("temperature,law", [(0.0, "deterministic"), (1.0, "iid")])
+def test_runner_matches_the_heads_own_drafter(target, trained, temperature, law):  # noqa: F811
+    _, head, _ = trained
+    twin = _Twin(head, (3, 2, 1), law)
+    cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature), stop_on_eos=False, seed=0)
+    generate(target, prompts()[1][:12], twin, cfg)
+    assert twin.steps >= 5
+
+
+BUILDERS = {
+    "chain": lambda h: ShapeDrafter(h, TreeShape.chain(4)),
+    "sequoia": lambda h: ShapeDrafter(h, SequoiaDP([0.5, 0.2, 0.1], 10, 4).shape(10, 4)),
+    "dyspec_heap": lambda h: DySpecDrafter(h, 8, 4),
+    "dyspec_threshold": lambda h: DySpecDrafter(h, 8, 4, variant="threshold"),
+    "eagle2": lambda h: Eagle2Drafter(h, 8, top_k=3, depth=3),
+    "merged": lambda h: MergedDrafter(Eagle2Drafter(h, 6, top_k=2, depth=3), NgramConfig(depth=3, max_nodes=3)),
+}
+
+
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_every_builder_with_the_head_is_greedy_exact(target, trained, builder):  # noqa: F811
+    _, head, _ = trained
+    cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    accepted = 0
+    for prompt in [prompts()[1][:12] * 2, [5], prompts()[2][:6]]:
+        plain = generate(target, prompt, None, cfg).token_ids
+        out = generate(target, prompt, BUILDERS[builder](head), cfg)
+        assert out.token_ids == plain
+        accepted += sum(s.accepted for s in out.steps)
+    assert accepted > 0  # the head's drafts were used, not only bonus tokens
+
+
+def test_runner_rejects_missing_hidden_states_and_skipped_levels(trained):
+    _, head, _ = trained
+    runner = HeadRunner(head)
+    with pytest.raises(ValueError, match="target_hidden"):
+        runner.observe(DraftState([1, 2, 3], 4, None))
+    runner.observe(DraftState([1, 2, 3], 4, torch.zeros(2, head.cfg.hidden_size)))
+    tree = TokenTree.from_lists([-1, 0, 1], [3, 4, 5], "deterministic")
+    with pytest.raises(RuntimeError, match="level by level"):
+        runner.forward(tree, torch.tensor([0, 1, 2]), torch.tensor([1, 2]))
+
+
+def test_depth_logits_match_the_runner_along_a_path(target, trained):  # noqa: F811
+    """The parallel per-depth emulation used for calibration equals what the runner computes in a
+    tree whose path follows the sequence (root at position r, nodes at depths 1..4 fed level by level)."""
+    _, head, _ = trained
+    ids = torch.tensor([prompts()[0][:16]])
+    depths, r = 5, 8
+    t_logits, per_depth = head_depth_logits(head, target, ids, depths)
+    assert t_logits.shape == per_depth[0].shape == (15, target.config.vocab_size)
+    assert torch.isnan(per_depth[2][:2]).all() and not torch.isnan(per_depth[2][2:]).any()
+    runner = HeadRunner(head)
+    hidden = target.base_model(input_ids=ids[:, :r]).last_hidden_state[0]  # positions 0..r-1
+    runner.observe(DraftState(ids[0, : r + 1].tolist(), depths, hidden))
+    path = ids[0, r: r + depths].tolist()
+    tree = TokenTree.from_lists(list(range(-1, depths - 1)), path, "deterministic")
+    for depth in range(depths):  # node at depth t sits at position r + t, entry (r + t) - 1, level t + 1
+        out = runner.forward(tree, torch.tensor([depth]), ids[0, :r] if depth == 0 else None)["logits"][0]
+        ref = per_depth[depth][r + depth - 1]
+        assert torch.allclose(out, ref, atol=1e-4), depth
+
+
+def test_depth_calibration_and_depth_aware_sequoia(target, trained):  # noqa: F811
+    _, head, _ = trained
+    vec = measure_acceptance_vector(target, head, [p[:24] for p in prompts()[:4]], SamplingConfig(0.0),
+                                    width=4, depths=3)
+    assert len(vec.by_depth) == 3 and vec.acc == vec.by_depth[0]
+    assert all(0.0 <= sum(row) <= 1.0 + 1e-9 for row in vec.by_depth)
+    shape = SequoiaDP(vec, 6, 3).shape(6, 3)
+    assert shape.num_drafted <= 6
+    # depth 1 is the classic measurement; a draft equal to the target accepts rank 0 at every depth
+    one = measure_acceptance_vector(target, head, [p[:24] for p in prompts()[:4]], SamplingConfig(0.0), width=4)
+    assert one.acc == pytest.approx(vec.acc, abs=1e-12)
+    same = measure_acceptance_vector(target, target, [p[:24] for p in prompts()[:4]], SamplingConfig(0.0),
+                                     width=3, depths=3, min_weight=1.0)
+    for row in same.by_depth:
+        assert row == pytest.approx([1.0, 0.0, 0.0])
+
+
+class _UniformQ:
+    """Deliberately broken: the children stay drawn from the head's q, the verifier is told q is uniform."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def law(self, sampling):
+        return self.inner.law(sampling)
+
+    def begin(self, prompt):
+        self.inner.begin(prompt)
+
+    def propose(self, state, sampling, generator):
+        d = self.inner.propose(state, sampling, generator)
+        if d.draft_probs is None:
+            return d
+        return Draft(d.tree, torch.full_like(d.draft_probs, 1.0 / d.draft_probs.shape[1]))
+
+    def accept(self, result, emitted):
+        self.inner.accept(result, emitted)
+
+
+LAW_CASES = {
+    "dyspec_wor": (lambda h: DySpecDrafter(h, 5, 3), "rrs_without_replacement"),
+    "sequoia_iid": (lambda h: ShapeDrafter(h, TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), "iid"),
+                    "rrs"),
+}
+
+
+@pytest.mark.parametrize("case,broken", [(c, False) for c in sorted(LAW_CASES)] + [("dyspec_wor", True)])
+def test_output_law_at_t1_with_head_trees(tmp_path, case, broken):
+    small, head = _small_head(tmp_path)
+    make, verifier = LAW_CASES[case]
+    sampling = SamplingConfig(1.0)
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(N):
+        drafter = make(head)
+        drafter = _UniformQ(drafter) if broken else drafter
+        out = generate(small, PROMPT, drafter, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=seed,
+                                                               stop_on_eos=False, verifier=verifier))
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    p_value = g_test(counts, exact_law(small, sampling), N)
+    if broken:
+        assert p_value < ALPHA, f"the broken twin passed (G-test p = {p_value:.2e})"
+    else:
+        assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
