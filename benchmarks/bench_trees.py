@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--sequoia-acc", default=None, help="acceptance vector JSON (else measured on train prompts)")
     ap.add_argument("--calib-prompts", type=int, default=64)
+    ap.add_argument("--calib-depths", type=int, default=6,
+                    help="acceptance rows per depth for a draft head (deeper nodes use the last row)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
             for t in temps:
                 # a head is calibrated per depth (it drafts from its own features below depth 1)
                 vec = measure_acceptance_vector(target, draft, calib, SamplingConfig(t), width=8,
-                                                depths=args.max_depth if is_head else 1,
+                                                depths=args.calib_depths if is_head else 1,
                                                 generator=torch.Generator().manual_seed(0))
                 accs[t] = vec.rows
                 print(f"T={t} acceptance rows (depth 1..): " + "; ".join(

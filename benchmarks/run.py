@@ -122,9 +122,15 @@ def build_methods(model, draft, args) -> list:
         def head_drafter(confidence: float) -> HeadDrafter:
             return HeadDrafter(head, StaticTreeShape(chain), min_confidence=confidence)
 
+        from treespec.trees.dyspec import DySpecDrafter
+        from treespec.trees.eagle2 import Eagle2Drafter
+
         methods += [
             ts_method("ts_head_chain", model, lambda: head_drafter(0.0)),
             ts_method("ts_head_confident", model, lambda: head_drafter(args.head_confidence)),
+            # the head behind the dynamic tree builders (HeadRunner), budget 8 nodes, depth <= 4
+            ts_method("ts_head_dyspec", model, lambda: DySpecDrafter(head, 8, 4)),
+            ts_method("ts_head_eagle2", model, lambda: Eagle2Drafter(head, 8, top_k=4, depth=4)),
             ts_method("ts_lookup_head", model, lambda: LookupHeadDrafter(NgramDrafter(NgramConfig(
                 depth=args.ngram_depth, branches=1, adaptive=True)), head_drafter(args.head_confidence))),
         ]
@@ -244,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--draft", default=None, help="draft model path/id (enables HF assisted and model drafts)")
+    ap.add_argument("--draft", default=None,
+                    help="draft model path/id or early-exit:L (enables HF assisted and model drafts)")
     ap.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
     ap.add_argument("--head", default=None,
                     help="'shipped' or a head .safetensors: adds ts_head_chain, ts_head_confident, ts_lookup_head")
@@ -274,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     per_prompt = (out / "per_prompt.jsonl").open("w")
     for dtype in args.dtypes:
         model = load_model("embedded", dtype=dtype)
-        draft = load_model(args.draft, dtype=dtype) if args.draft else None
+        if args.draft and args.draft.startswith("early-exit:"):  # self-speculative: the target's first layers
+            from treespec.models.loading import load_draft_model
+            draft = load_draft_model(args.draft, model)
+        else:
+            draft = load_model(args.draft, dtype=dtype) if args.draft else None
         methods = build_methods(model, draft, args)
         warm = tok("Warm-up: the quick brown fox jumps over the lazy dog.")["input_ids"]
         for m in methods:  # warm-up

@@ -305,7 +305,8 @@ def main(argv=None) -> int:
         "runtime_s": time.time() - t0, "load_s": t_load, "collect_s": t_collect,
         "evaluate_after_collect_s": t_eval, "workers": args.workers, "threads": args.threads,
         "draft": (f"early exit after layer {args.layer} -> final norm -> LM head" if head is None else
-                  f"EAGLE-style head {args.draft} ({head.num_trained_parameters / 1e6:.2f}M parameters, "
+                  f"EAGLE-style draft head {'(shipped)' if args.draft == 'head' else args.draft} "
+                  f"({head.num_trained_parameters / 1e6:.2f}M parameters, "
                   f"vocabulary subset {head.vocab_ids.numel()})"),
         "acceptance": "P(output token in drafts), one node, exact",
         "skipped": {"rrs_without_replacement": "no closed form at full vocabulary (O(V^n) recursion)"},

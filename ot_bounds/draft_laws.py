@@ -434,12 +434,12 @@ def _prefix_top_mass(qs: NDArray[np.float64], ks: NDArray[np.int64], r: int, poo
     if top is None:
         top = np.sort(top_indices(qs, pool))  # positions of the pool largest, in prefix order
     inside = np.searchsorted(top, ks)  # how many of them each prefix holds
-    for i, (k, c) in enumerate(zip(ks.tolist(), inside.tolist())):
-        if c >= r or c == top.size:
-            vals = qs[top[:c]]
-            out[i] = float(np.sort(vals)[::-1][:r].sum()) if c >= r else float(vals.sum())
-        else:
-            out[i] = float(qs[top_indices(qs[:k], r)].sum())
+    # prefixes holding the same number of pool entries share the answer: one sort per distinct count
+    for c in np.unique(inside[(inside >= r) | (inside == top.size)]).tolist():
+        vals = qs[top[:c]]
+        out[inside == c] = float(np.sort(vals)[::-1][:r].sum()) if c >= r else float(vals.sum())
+    for i in np.flatnonzero((inside < r) & (inside < top.size)).tolist():
+        out[i] = float(qs[top_indices(qs[: int(ks[i])], r)].sum())
     return out
 
 

@@ -197,9 +197,10 @@ def _wor_sharp_bound(qs: NDArray[np.float64], n: int, pieces: tuple, q2: NDArray
     lo, hi = int(idx[0]), int(idx[-1]) + 1
     at = idx - lo
     qseg, wq = qs[lo:hi], w[lo:hi] * qs[lo:hi]
-    s2 = float(np.dot(w[:lo], qs[:lo])) + np.cumsum(wq)[at]
+    # einsum, not np.dot: a BLAS dot may start threads for one short reduction
+    s2 = float(np.einsum("i,i->", w[:lo], qs[:lo])) + np.cumsum(wq)[at]
     s3 = float(np.einsum("i,i,i->", w[:lo], qs[:lo], qs[:lo])) + np.cumsum(wq * qseg)[at]
-    w2 = float(np.dot(qs[:lo], qs[:lo])) + np.cumsum(qseg * qseg)[at]
+    w2 = float(np.einsum("i,i->", qs[:lo], qs[:lo])) + np.cumsum(qseg * qseg)[at]
     si, ci, q2i, s1i = s[idx], c[idx], q2[idx], s1[idx]
     # E[m_2 ; first two draws in H] with m_2 the drafted mass after two draws
     em2 = si * s2 - 2.0 * s3 + s1i * w2

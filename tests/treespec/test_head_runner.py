@@ -100,6 +100,33 @@ def test_every_builder_with_the_head_is_greedy_exact(target, trained, builder): 
     assert accepted > 0  # the head's drafts were used, not only bonus tokens
 
 
+def test_adaptive_length_expands_only_confident_sampled_children(target, trained):  # noqa: F811
+    """T = 1: all drawn children stay (their law is intact); children below the threshold get none;
+    the recorded q rows are those of the expanded nodes."""
+    _, head, _ = trained
+    prompt = prompts()[0][:10]
+    hidden = target.base_model(input_ids=torch.tensor([prompt[:-1]])).last_hidden_state[0]
+    probe = HeadDrafter(head, StaticTreeShape((1,), "iid"))
+    probe.begin(prompt)
+    q_root = probe.propose(DraftState(prompt, 8, hidden), SamplingConfig(1.0), torch.Generator()).draft_probs[0]
+    threshold = float(q_root.topk(3).values[-1])  # some drawn children reach it, some do not
+    sizes = set()
+    for seed in range(20):
+        drafter = HeadDrafter(head, StaticTreeShape((3, 2), "iid"), min_confidence=threshold)
+        drafter.begin(prompt)
+        d = drafter.propose(DraftState(prompt, 8, hidden), SamplingConfig(1.0), torch.Generator().manual_seed(seed))
+        tree, q = d.tree, d.draft_probs
+        depth1 = (tree.parents == 0).nonzero().flatten()
+        assert depth1.numel() == 3  # never pruned
+        conf = q[0, tree.tokens[depth1]]
+        for node, c in zip(depth1.tolist(), conf.tolist()):
+            kids = int((tree.parents == node).sum())
+            assert kids == (2 if c >= threshold else 0)
+            assert (q[node].sum() > 0.99) == (kids > 0)
+        sizes.add(tree.num_nodes)
+    assert len(sizes) > 1  # the threshold did change tree sizes
+
+
 def test_runner_rejects_missing_hidden_states_and_skipped_levels(trained):
     _, head, _ = trained
     runner = HeadRunner(head)
@@ -171,6 +198,8 @@ class _UniformQ:
 
 
 LAW_CASES = {
+    # adaptive draft length at T = 1: every drawn child kept, only confident ones expanded
+    "head_adaptive_iid": (lambda h: HeadDrafter(h, StaticTreeShape((2, 2, 1), "iid"), min_confidence=0.35), "rrs"),
     "dyspec_wor": (lambda h: DySpecDrafter(h, 5, 3), "rrs_without_replacement"),
     "sequoia_iid": (lambda h: ShapeDrafter(h, TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), "iid"),
                     "rrs"),

@@ -40,8 +40,16 @@ def test_enumerator_counts_plane_trees():
     assert len(set(enumerate_shapes(7))) == 132
 
 
-@pytest.mark.parametrize("acc", ACC_VECTORS)
+DEPTH_ROWS = [
+    [[0.7, 0.1], [0.5, 0.15], [0.3, 0.2]],  # acceptance falling with depth (a draft head)
+    [[0.2, 0.1, 0.1], [0.6], [0.05, 0.5]],  # rising, ragged widths, not monotone in rank
+]
+
+
+@pytest.mark.parametrize("acc", ACC_VECTORS + DEPTH_ROWS)
 def test_dp_equals_brute_force(acc):
+    """One vector for every depth, or rows per depth (row d-1 for children at depth d, the last
+    row beyond): the DP's value and shape equal brute force over all trees of <= 7 nodes."""
     for n in range(0, 7):  # drafted nodes: trees of up to 7 nodes
         dp = SequoiaDP(acc, n, 6)
         for d in range(0, 7):
@@ -52,23 +60,8 @@ def test_dp_equals_brute_force(acc):
             assert predicted_tau(shape, acc) == pytest.approx(best, abs=1e-12)
 
 
-DEPTH_ROWS = [
-    [[0.7, 0.1], [0.5, 0.15], [0.3, 0.2]],  # acceptance falling with depth (a draft head)
-    [[0.2, 0.1, 0.1], [0.6], [0.05, 0.5]],  # rising, ragged widths, not monotone in rank
-]
-
-
-@pytest.mark.parametrize("rows", DEPTH_ROWS)
-def test_depth_dependent_dp_equals_brute_force(rows):
-    """Rows per depth (row d-1 for children at depth d, the last row beyond): DP = brute force."""
-    for n in range(0, 7):
-        dp = SequoiaDP(rows, n, 6)
-        for d in range(0, 7):
-            best = brute_force_best(rows, n, d)
-            assert dp.value(n, d) == pytest.approx(best, abs=1e-12), (n, d)
-            shape = dp.shape(n, d)
-            assert shape.num_drafted <= n and shape.max_depth <= d
-            assert predicted_tau(shape, rows) == pytest.approx(best, abs=1e-12)
+def test_dp_takes_depth_rows_from_an_acceptance_vector():
+    rows = DEPTH_ROWS[0]
     vec = AcceptanceVector(rows[0], by_depth=rows)
     assert SequoiaDP(vec, 5, 3).value(5, 3) == pytest.approx(brute_force_best(rows, 5, 3), abs=1e-12)
 

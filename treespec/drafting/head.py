@@ -243,12 +243,17 @@ class HeadDrafter:
     :data:`treespec.tree.DRAFT_LAWS` name), e.g. :class:`treespec.drafting.model.StaticTreeShape`.
     At temperature 0 children are the deterministic top-k of the draft logits.
 
-    ``min_confidence``: for deterministic candidates only (temperature 0 or law "deterministic"),
-    a child is kept only if the head gives it at least this probability, and the tree stops
-    growing when no child is kept (EAGLE-2's observation that draft confidence predicts
-    acceptance, arXiv 2406.16858). Choosing candidates by the draft alone keeps them
-    deterministic candidates, so verification stays lossless; sampled children are never pruned
-    (that would change their law). Costs one host sync per depth.
+    ``min_confidence``: an adaptive draft length (the stopping rule of SpecDec++, arXiv 2405.19715,
+    with the draft's own confidence as the estimate of acceptance; EAGLE-2, arXiv 2406.16858, shows
+    that confidence predicts acceptance). For deterministic candidates (temperature 0 or law
+    "deterministic") a child is kept only if the head gives it at least this probability, and the
+    tree stops growing when no child is kept: candidates chosen by the draft alone stay
+    deterministic candidates, so verification stays lossless. For sampled children (T > 0) every
+    drawn child is kept (dropping one would change the law of the children), but only children
+    whose own draft probability reaches the threshold get children of their own: a node's subtree
+    may depend on the node's token, never on its siblings' fate, which verification tolerates (the
+    children of the accepted node are drawn afresh from q given that node). Costs one host sync per
+    depth.
     """
 
     def __init__(self, head: EagleHead, shape, min_confidence: float = 0.0) -> None:
@@ -333,7 +338,8 @@ class HeadDrafter:
         node_feats = feats[-1:]  # [num_nodes so far, H]: output feature of each node's entry
         frontier = torch.zeros(1, dtype=torch.long, device=device)
         slots: list[int] = []  # tree nodes held by uncommitted cache entries, in order
-        q_rows: list[torch.Tensor] = []
+        q_rows: list[torch.Tensor] = []  # q of each expanded node, level by level
+        q_nodes: list[torch.Tensor] = []  # the expanded nodes of each level
         vocab = head.cfg.target_vocab_size
         ids = head.vocab_ids
         for depth, k in enumerate(branching):
@@ -344,7 +350,10 @@ class HeadDrafter:
                 out = self._step(node_feats[parents[frontier]], tokens[frontier], frontier.new_full(
                     frontier.shape, root_pos) + tree.depths[frontier], anc[frontier][:, key_nodes])
                 slots.extend(frontier.tolist())
-                node_feats = torch.cat([node_feats, out])
+                grown = node_feats.new_zeros(tokens.numel(), node_feats.shape[1])  # rows = node ids
+                grown[: node_feats.shape[0]] = node_feats
+                grown[frontier] = out
+                node_feats = grown
                 level_feats = out
             else:
                 level_feats = node_feats
@@ -372,18 +381,27 @@ class HeadDrafter:
                 q[:, ids] = logits_to_probs(sub_logits, sampling)  # exactly 0 outside the subset
                 kids, valid = draw_children(q, k, law, generator)
             q_rows.append(q)
+            q_nodes.append(frontier)
             start = tokens.numel()
             new_parents = frontier[:, None].expand(-1, k)
+            conf = None
+            if self.min_confidence > 0.0 and q is not None:  # the drawn child's own draft probability
+                conf = q.gather(1, kids)  # [M, k]
             if law == "without_replacement":
                 new_parents, kids = new_parents[valid], kids[valid]
+                conf = conf[valid] if conf is not None else None
             parents = torch.cat([parents, new_parents.reshape(-1)])
             tokens = torch.cat([tokens, kids.reshape(-1)])
             frontier = torch.arange(start, tokens.numel(), device=device)
+            if conf is not None:  # sampled children are all kept; only confident ones get children
+                frontier = frontier[conf.reshape(-1) >= self.min_confidence]
+                if frontier.numel() == 0:
+                    break
         tree = TokenTree(parents, tokens, law)
         draft_probs = None
         if law != "deterministic":
-            internal = torch.cat(q_rows)  # levels occupy consecutive node indices from 0
-            draft_probs = torch.cat([internal, internal.new_zeros(tree.num_nodes - internal.shape[0], vocab)])
+            draft_probs = q_rows[0].new_zeros(tree.num_nodes, vocab)
+            draft_probs[torch.cat(q_nodes)] = torch.cat(q_rows)
         return Draft(tree, draft_probs)
 
     def accept(self, result: VerifyResult, emitted: list[int]) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..models.runner import start_forward
 from ..tree import TokenTree
 from .base import DraftState
 from .head import EagleHead
@@ -105,13 +106,8 @@ class HeadRunner:
         A node's parent must have been fed by an earlier call (the head reads its output feature).
         """
         device, head = self.device, self.head
-        m = 0 if chain is None else chain.numel()
-        n = 0 if nodes is None else nodes.numel()
-        if m + n == 0:
-            raise ValueError("nothing to forward")
-        if m and self.slots:
-            raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
         base = self.length
+        m, n = start_forward(self, tree, nodes, chain)
         inputs, toks, pos = [], [], []
         # chain: entries for positions >= 1, each from the true hidden state one position back
         chain_pos = torch.arange(base, base + m, device=device)
@@ -123,13 +119,6 @@ class HeadRunner:
             toks.append(chain.to(device)[keep])
             pos.append(cpos)
         if n:
-            if tree is None:
-                raise ValueError("tree nodes need their tree")
-            if not self.slots:
-                self.tree, self.root_position = tree, base + m
-            elif tree.num_nodes < self.tree.num_nodes:
-                raise RuntimeError("uncommitted nodes of another tree are still in the cache")
-            self.tree = tree
             node_list = nodes.tolist()
             parents = tree.parents[nodes]  # [n]
             is_root = parents < 0

@@ -39,6 +39,30 @@ def _layer_window_types(config) -> tuple[list[str] | None, int | None]:
     return None, None
 
 
+def start_forward(runner, tree: TokenTree | None, nodes: torch.Tensor | None,
+                  chain: torch.Tensor | None) -> tuple[int, int]:
+    """Checks and tree bookkeeping shared by every runner's ``forward``: returns (chain length, nodes).
+
+    The first call of a tree records it and its root position (right after the committed prefix and
+    the chain); later calls of the same tree, grown level by level, keep the indices of its earlier
+    nodes."""
+    m = 0 if chain is None else chain.numel()
+    n = 0 if nodes is None else nodes.numel()
+    if m + n == 0:
+        raise ValueError("nothing to forward")
+    if m and runner.slots:
+        raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
+    if n:
+        if tree is None:
+            raise ValueError("tree nodes need their tree")
+        if not runner.slots:
+            runner.tree, runner.root_position = tree, runner.length + m
+        elif tree.num_nodes < runner.tree.num_nodes:
+            raise RuntimeError("uncommitted nodes of another tree are still in the cache")
+        runner.tree = tree
+    return m, n
+
+
 class ModelRunner:
     """Wraps a causal LM: tree forwards over a rollback-able KV cache.
 
@@ -96,25 +120,13 @@ class ModelRunner:
         order) and, if asked, ``hidden`` ``[m + n, H]``.
         """
         device = self.device
-        m = 0 if chain is None else chain.numel()
-        n = 0 if nodes is None else nodes.numel()
-        if m + n == 0:
-            raise ValueError("nothing to forward")
-        if m and self.slots:
-            raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
         base = self.length
+        m, n = start_forward(self, tree, nodes, chain)
         ids_parts, pos_parts = [], []
         if m:
             ids_parts.append(chain.to(device))
             pos_parts.append(torch.arange(base, base + m, device=device))
         if n:
-            if tree is None:
-                raise ValueError("tree nodes need their tree")
-            if not self.slots:
-                self.tree, self.root_position = tree, base + m
-            elif tree.num_nodes < self.tree.num_nodes:
-                raise RuntimeError("uncommitted nodes of another tree are still in the cache")
-            self.tree = tree  # a tree grown level by level keeps the indices of its earlier nodes
             ids_parts.append(tree.tokens[nodes])
             pos_parts.append(tree.depths[nodes] + self.root_position)
         ids = torch.cat(ids_parts)  # [m + n]

@@ -1,0 +1,125 @@
+"""Measured layer search for the self-speculative (early-exit) draft of Gemma-3-270M (issue 7, item 1).
+
+    python benchmarks/early_exit_layers.py [--prompts 16] [--layers 2 4 6 8 10 12 14 16]
+
+For every exit layer L the draft is the target's first L decoder layers -> final norm -> LM head
+(``treespec.models.early_exit``, weights shared, nothing trained). On TRAIN prompts only
+(../shared/data/train, first ``--prompts`` rows, <= 128 tokens each), ONE target forward with all
+hidden states gives p and every exit's q at every position:
+
+* acceptance of one drafted token: top-1 agreement (T = 0) and sum min(p, q) (T = 1);
+* draft step cost c(L): a measured one-token step of the early-exit model with its KV cache,
+  relative to a one-token step of the target (median of ``--repeats``);
+* predicted speedup of a chain of k drafts: tau(a, k) = (1 - a^(k+1)) / (1 - a) tokens per step
+  (independent acceptances a) over a step cost t(k + 1) + k c(L), with t the measured verify
+  profile of this machine (``benchmarks/results/profile``, relative to one token).
+
+Writes ``early_exit_layers.json`` / ``.md`` under ``benchmarks/results/early_exit/`` with commit
+and machine. The search is a grid over L (Draft & Verify, arXiv 2309.08168, searched layer subsets
+by Bayesian optimisation; a measured grid over exit depths is the simple version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import SHARED, git_commit, machine_info  # noqa: E402
+from treespec.trees.sequoia import HardwareProfile, read_prompts  # noqa: E402
+
+TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
+
+
+def step_cost(model, ids: list[int], repeats: int) -> float:
+    """Median seconds of a one-token cached step after a ``len(ids)``-token prefill (first step dropped)."""
+    times = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        nxt = torch.tensor([[int(out.logits[0, -1].argmax())]])
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = model(nxt, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t0)  # the cache grows by one token per repeat
+    return statistics.median(times[1:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16])
+    ap.add_argument("--max-chain", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "early_exit")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from treespec.models.early_exit import early_exit_model
+    from treespec.models.loading import load_model, load_tokenizer
+
+    target = load_model("embedded", dtype="float32")
+    tok = load_tokenizer("embedded")
+    prompts = [tok(p)["input_ids"][:128] for p in read_prompts(TRAIN, args.prompts)]
+    agree = {L: 0.0 for L in args.layers}
+    overlap = {L: 0.0 for L in args.layers}
+    count = 0
+    norm, lm = target.model.norm, target.lm_head
+    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    with torch.no_grad():
+        for ids in prompts:
+            out = target(torch.tensor([ids]), output_hidden_states=True)
+            t_logits = out.logits[0].float()
+            p1 = torch.softmax(t_logits, dim=-1)
+            top = t_logits.argmax(-1)
+            for L in args.layers:
+                d = lm(norm(out.hidden_states[L][0])).float()
+                if softcap:
+                    d = torch.tanh(d / softcap) * softcap
+                agree[L] += float((d.argmax(-1) == top).sum())
+                overlap[L] += float(torch.minimum(p1, torch.softmax(d, dim=-1)).sum())
+            count += len(ids)
+    profile_dirs = sorted((ROOT / "benchmarks" / "results" / "profile").glob("*/profile.json"))
+    if not profile_dirs:
+        raise SystemExit("no hardware profile: run benchmarks/profile_hardware.py first")
+    prof = HardwareProfile.load(profile_dirs[-1])
+    probe = prompts[0]
+    t_target = step_cost(target, probe, args.repeats)
+    rows = []
+    for L in args.layers:
+        c = step_cost(early_exit_model(target, L), probe, args.repeats) / t_target
+        for name, a in (("T=0", agree[L] / count), ("T=1", overlap[L] / count)):
+            best = max(((1 - a ** (k + 1)) / (1 - a) / (prof.t(k + 1) + k * c), k) for k in range(1, args.max_chain + 1))
+            rows.append({"layer": L, "temperature": name, "acceptance": a, "draft_cost": c,
+                         "best_chain": best[1], "predicted_speedup": best[0]})
+    best = {t: max((r for r in rows if r["temperature"] == t), key=lambda r: r["predicted_speedup"])
+            for t in ("T=0", "T=1")}
+    meta = {"commit": git_commit(), "machine": machine_info(), "settings": {k: str(v) for k, v in vars(args).items()},
+            "positions": count, "target_step_s": t_target, "profile": str(profile_dirs[-1].parent.name)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "early_exit_layers.json").write_text(json.dumps({"meta": meta, "rows": rows, "best": best}, indent=1))
+    lines = [f"# Early-exit layer search (commit {meta['commit']})", "",
+             f"{meta['machine']['cpu']}, {args.threads} thread(s), float32; {len(prompts)} train prompts, {count} "
+             f"positions; target step {t_target * 1e3:.0f} ms; verify profile {meta['profile']}", "",
+             "| exit layer | T | acceptance (1 draft) | draft step / target step | best chain k | predicted speedup |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['temperature']} | {r['acceptance']:.3f} | {r['draft_cost']:.2f} | "
+                     f"{r['best_chain']} | {r['predicted_speedup']:.2f}x |")
+    lines += ["", "Best: " + "; ".join(f"{t}: layer {b['layer']}, chain {b['best_chain']}, predicted "
+                                        f"{b['predicted_speedup']:.2f}x" for t, b in best.items())]
+    (args.out / "early_exit_layers.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
