@@ -97,6 +97,34 @@ def make_drafter(name: str, budget: int, draft, vocab: int, acc: list[float] | N
     raise ValueError(name)
 
 
+def calibration_sequences(target, draft, encode, args):
+    """Token sequences the Sequoia acceptance rows are measured on (TRAIN prompts only).
+
+    Default: the first ``--calib-prompts`` train prompts, <= 128 tokens. With ``--calib-held-out``
+    the LAST rows of the seed-0 shuffle of the train file (the order ``treespec.distill`` builds its
+    corpora in, so rows a shipped head was never trained on), and with ``--calib-continue N`` each
+    prompt (cut to 128 - N tokens) is followed by N tokens the target itself generates at the
+    calibration temperature (seeded): the text a tree is then drafted along resembles generation.
+    Returns a list, or a function of the temperature when continuations depend on it.
+    """
+    if not args.calib_held_out:
+        texts = read_prompts(TRAIN, args.calib_prompts)
+    else:
+        from treespec.distill.corpus import read_prompts as shuffled_prompts
+        texts = [r["prompt"] for r in shuffled_prompts(TRAIN, seed=0)[-args.calib_prompts:]]
+    n = args.calib_continue
+    prompts = [encode(p)[: 128 - n] for p in texts]
+    if n == 0:
+        return prompts
+
+    def with_continuations(t: float) -> list[list[int]]:
+        cfg = lambda i: GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(t), seed=i,  # noqa: E731
+                                         stop_on_eos=False)
+        return [ids + generate(target, ids, None, cfg(i)).token_ids for i, ids in enumerate(prompts)]
+
+    return with_continuations
+
+
 def load_prompts(per_subtask: int) -> list[dict]:
     return load_all_prompts(per_subtask)
 
@@ -133,6 +161,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--sequoia-acc", default=None, help="acceptance vector JSON (else measured on train prompts)")
     ap.add_argument("--calib-prompts", type=int, default=64)
+    ap.add_argument("--calib-held-out", action="store_true",
+                    help="calibrate on the last train rows of the distillation order (never seen by a shipped head)")
+    ap.add_argument("--calib-continue", type=int, default=0,
+                    help="append N target-generated tokens to each calibration prompt (at the calibration T)")
     ap.add_argument("--calib-depths", type=int, default=6,
                     help="acceptance rows per depth for a draft head (deeper nodes use the last row)")
     ap.add_argument("--out", default=None)
@@ -182,11 +214,12 @@ def main(argv=None) -> int:
             vec = AcceptanceVector.load(args.sequoia_acc)
             accs = {t: vec.rows for t in temps}
         else:
-            calib = [encode(p)[:128] for p in read_prompts(TRAIN, args.calib_prompts)]  # train split only
+            calib = calibration_sequences(target, draft, encode, args)  # train split only
             is_head = isinstance(draft, EagleHead)
             for t in temps:
                 # a head is calibrated per depth (it drafts from its own features below depth 1)
-                vec = measure_acceptance_vector(target, draft, calib, SamplingConfig(t), width=8,
+                seqs = calib(t) if callable(calib) else calib
+                vec = measure_acceptance_vector(target, draft, seqs, SamplingConfig(t), width=8,
                                                 depths=args.calib_depths if is_head else 1,
                                                 generator=torch.Generator().manual_seed(0))
                 accs[t] = vec.rows

@@ -209,6 +209,19 @@ def _as_mask(subset: ArrayLike, v: int) -> NDArray[np.bool_]:
 # ----------------------------------------------------------------------------
 
 
+def _elementary_symmetric(power: list, m: int) -> list:
+    """Elementary symmetric polynomials ``e_0..e_{m-1}`` from power sums ``power[1..m-1]``
+    (Newton's identities ``k e_k = sum_{i=1}^k (-1)^(i-1) e_{k-i} p_i``), clipped at 0 against
+    rounding; ``power[0]`` is ignored. Works elementwise on arrays of any shape."""
+    e = [np.ones_like(power[1])]
+    for k in range(1, m):
+        acc = np.zeros_like(power[1])
+        for i in range(1, k + 1):
+            acc += (-1) ** (i - 1) * e[k - i] * power[i]
+        e.append(np.maximum(acc / k, 0.0))
+    return e
+
+
 def _light_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: int) -> NDArray[np.float64]:
     """P(N(t) = b) for b < m, N Poisson-binomial with probs 1 - exp(-q_i t).
 
@@ -247,12 +260,7 @@ def _light_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: 
         for _j in range(1, m):
             zj = zj * z
             power.append(zj.sum(axis=1))
-        e = [np.ones_like(tt)]
-        for k in range(1, m):
-            acc = np.zeros_like(tt)
-            for i in range(1, k + 1):
-                acc += (-1) ** (i - 1) * e[k - i] * power[i]
-            e.append(np.maximum(acc / k, 0.0))
+        e = _elementary_symmetric(power, m)
         log_xmax = np.log(safe)
         for b in range(1, m):
             val = np.exp(-s * tt + b * log_xmax) * e[b]
@@ -301,12 +309,8 @@ def _tiny_count_probs(moments: NDArray[np.float64], t: NDArray[np.float64], m: i
     power = [np.zeros_like(t)]
     for j in range(1, m):
         power.append(tpow @ (_TINY_COEF[j] * moments))
-    e = [np.ones_like(t)]
+    e = _elementary_symmetric(power, m)
     for k in range(1, m):
-        acc = np.zeros_like(t)
-        for i in range(1, k + 1):
-            acc += (-1) ** (i - 1) * e[k - i] * power[i]
-        e.append(np.maximum(acc / k, 0.0))
         out[:, k] = out[:, 0] * e[k]
     return out
 
@@ -568,12 +572,7 @@ class WorPrefixQuadrature:
         moments = self._moments(kf)  # shape (K, 17)
         base = np.exp(-np.outer(moments[:, 1], self.nodes))  # shape (K, M)
         power = [None] + [(moments * _TINY_COEF[j][None, :]) @ self.tpow for j in range(1, n)]
-        e = [np.ones_like(base)]
-        for k in range(1, n):
-            accum = np.zeros_like(base)
-            for i in range(1, k + 1):
-                accum += (-1) ** (i - 1) * e[k - i] * power[i]
-            e.append(np.maximum(accum / k, 0.0))
+        e = _elementary_symmetric(power, n)
         tiny_cdf = np.cumsum(np.stack([base * e[b] for b in range(n)], axis=2), axis=2)  # shape (K, M, n)
         big = self.hist[np.searchsorted(self.big_pos, kf)]  # shape (K, M, n)
         below = np.zeros(base.shape)  # P(N <= n-1), shape (K, M)

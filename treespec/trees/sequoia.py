@@ -15,12 +15,20 @@ accepted path is the product of ``acc[rank]`` along its root path, so
 is the expected number of tokens a step emits (accepted drafts + the bonus token): the predicted
 tau of the tree (:func:`predicted_tau`).
 
+Rows per depth. The positional assumption breaks in two ways that matter here: a draft head reads
+its own features below depth 1 (acceptance falls with depth), and acceptance comes in runs (a
+node deep in the tree is reached mostly where the draft does well, so the acceptance *given the
+path was accepted* rises with depth). Both are captured by one row per depth, ``acc_d[k]`` for
+children at depth d (deeper children use the last row), measured conditionally on the path; F(T)
+then takes ``acc_{depth(v)}[rank(v)]`` along each path and the DP below stays exact (a node of
+remaining depth d sits at depth D - d in a tree of depth bound D).
+
 Pieces:
 
-* :func:`measure_acceptance_vector` measures ``acc`` for (target, draft, sampling, law) from depth-1
-  trees of width W at real positions of calibration prompts (use the *train* prompts, never eval);
-  it averages the verifier's exact acceptance probabilities given the drafted children
-  (Rao-Blackwellised: no coin flips needed);
+* :func:`measure_acceptance_vector` measures ``acc`` (and, with ``depths > 1``, the rows per depth)
+  for (target, draft, sampling, law) at real positions of calibration prompts (use the *train*
+  prompts, never eval); it averages the verifier's exact acceptance probabilities given the
+  drafted children (Rao-Blackwellised: no coin flips needed);
 * :class:`SequoiaDP` the depth-bounded dynamic program for the tree of at most n drafted nodes and
   depth <= d maximising F;
 * :func:`enumerate_shapes` / :func:`brute_force_best` all ordered trees with a few nodes (tests);
