@@ -105,7 +105,9 @@ def calibration_sequences(target, draft, encode, args):
     corpora in, so rows a shipped head was never trained on), and with ``--calib-continue N`` each
     prompt (cut to 128 - N tokens) is followed by N tokens the target itself generates at the
     calibration temperature (seeded): the text a tree is then drafted along resembles generation.
-    Returns a list, or a function of the temperature when continuations depend on it.
+    Returns ``(sequences, score_from)``, or a function of the temperature returning them when
+    continuations depend on it; ``score_from`` (the first generated index of each sequence) is set
+    with ``--calib-generated-only``, so only positions a generation drafts at are counted.
     """
     if not args.calib_held_out:
         texts = read_prompts(TRAIN, args.calib_prompts)
@@ -115,12 +117,13 @@ def calibration_sequences(target, draft, encode, args):
     n = args.calib_continue
     prompts = [encode(p)[: 128 - n] for p in texts]
     if n == 0:
-        return prompts
+        return prompts, None
 
     def with_continuations(t: float) -> list[list[int]]:
         cfg = lambda i: GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(t), seed=i,  # noqa: E731
                                          stop_on_eos=False)
-        return [ids + generate(target, ids, None, cfg(i)).token_ids for i, ids in enumerate(prompts)]
+        seqs = [ids + generate(target, ids, None, cfg(i)).token_ids for i, ids in enumerate(prompts)]
+        return seqs, ([len(ids) for ids in prompts] if args.calib_generated_only else None)
 
     return with_continuations
 
@@ -165,10 +168,14 @@ def main(argv=None) -> int:
                     help="calibrate on the last train rows of the distillation order (never seen by a shipped head)")
     ap.add_argument("--calib-continue", type=int, default=0,
                     help="append N target-generated tokens to each calibration prompt (at the calibration T)")
+    ap.add_argument("--calib-generated-only", action="store_true",
+                    help="with --calib-continue: count only the generated positions (the prompt is context)")
     ap.add_argument("--calib-depths", type=int, default=6,
                     help="acceptance rows per depth for a draft head (deeper nodes use the last row)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.calib_generated_only and not args.calib_continue:
+        ap.error("--calib-generated-only needs --calib-continue N (generated tokens to score)")
     if args.quick:
         args.per_subtask, args.max_new_tokens, args.budgets = 1, 16, "8,16"
         args.calib_prompts = min(args.calib_prompts, 8)
@@ -218,9 +225,9 @@ def main(argv=None) -> int:
             is_head = isinstance(draft, EagleHead)
             for t in temps:
                 # a head is calibrated per depth (it drafts from its own features below depth 1)
-                seqs = calib(t) if callable(calib) else calib
+                seqs, starts = calib(t) if callable(calib) else calib
                 vec = measure_acceptance_vector(target, draft, seqs, SamplingConfig(t), width=8,
-                                                depths=args.calib_depths if is_head else 1,
+                                                depths=args.calib_depths if is_head else 1, score_from=starts,
                                                 generator=torch.Generator().manual_seed(0))
                 accs[t] = vec.rows
                 print(f"T={t} acceptance rows (depth 1..): " + "; ".join(

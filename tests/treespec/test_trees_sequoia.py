@@ -5,6 +5,7 @@ import math
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,3 +132,25 @@ def test_profile_round_trip_and_choice(tmp_path):
     brute = max(dp.value(n, d) / (mid.t(n + 1) + d * 0.1) for n in range(1, 129) for d in range(1, 7))
     assert best["speedup"] == pytest.approx(brute)
     assert predicted_tau(best["shape"], acc) == pytest.approx(best["tau"])
+
+
+def test_acceptance_scored_on_generated_positions_only():
+    """``score_from`` counts only nodes of trees rooted at or after the last prompt token; the
+    reference measures each kept position on its own (depth 1, a causal LM draft, greedy)."""
+    target, draft = tiny_model("llama", 16, seed=0), tiny_model("llama", 16, seed=1)
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 3, 5, 2, 11, 12]]
+    starts = [5, 2]
+    vec = measure_acceptance_vector(target, draft, seqs, SamplingConfig(0.0), width=3, score_from=starts)
+    assert vec.meta["positions"] == (8 - 5 + 1) + (6 - 2 + 1)  # the last row predicts past the text
+    ref = np.zeros(3)
+    for ids, g in zip(seqs, starts):
+        for j in range(g, len(ids) + 1):  # the node predicting position j, rooted at j - 1 >= g - 1
+            x = torch.tensor([ids[:j]])
+            top = draft(x).logits[0, -1].topk(3).indices
+            hit = (top == target(x).logits[0, -1].argmax()).double()
+            ref += hit.numpy()
+    assert np.allclose(vec.acc, ref / vec.meta["positions"], atol=1e-9)
+    every = measure_acceptance_vector(target, draft, seqs, SamplingConfig(0.0), width=3, score_from=[0, 0])
+    assert every.acc == measure_acceptance_vector(target, draft, seqs, SamplingConfig(0.0), width=3).acc
+    with pytest.raises(ValueError, match="score_from"):
+        measure_acceptance_vector(target, draft, seqs, SamplingConfig(0.0), score_from=[1])

@@ -114,7 +114,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling: SamplingConfig, *,
                               law: str = "without_replacement", width: int = 8, verifier: str | None = None,
                               max_positions: int = 128, chunk: int = 64, depths: int = 1,
-                              min_weight: float = 20.0,
+                              min_weight: float = 20.0, score_from: list[int] | None = None,
                               generator: torch.Generator | None = None) -> AcceptanceVector:
     """Measure ``acc`` on token-id prompts (teacher-forced real positions).
 
@@ -137,6 +137,11 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
       and accepted at their depth (the verifier's exact acceptance of that child given the drawn
       children), i.e. it averages over the positions a depth-k node is actually reached from.
       A row whose total weight is below ``min_weight`` positions copies the row above it.
+
+    ``score_from``: per prompt, the index of its first generated token (e.g. a train prompt followed
+    by the target's own continuation). Only nodes of trees rooted at or after the last prompt token
+    are then counted, i.e. the positions a generation would draft at; the prompt still serves as
+    context. None: every position counts.
     """
     from ..drafting.head import EagleHead
     from ..drafting.head_runner import head_depth_logits
@@ -145,6 +150,8 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
 
     if depths < 1:
         raise ValueError("depths must be >= 1")
+    if score_from is not None and len(score_from) != len(prompts):
+        raise ValueError(f"score_from has {len(score_from)} entries for {len(prompts)} prompts")
     law = "deterministic" if sampling.greedy else law
     name = "greedy" if sampling.greedy else (verifier or DEFAULT_VERIFIER[law])
     rule = VERIFIER_RULES[name]
@@ -152,10 +159,11 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     weight = torch.zeros(depths, dtype=torch.float64)
     vocab = target.get_output_embeddings().weight.shape[0]
     is_head = isinstance(draft, EagleHead)
-    for ids in prompts:
+    for index, ids in enumerate(prompts):
         ids = list(ids)[:max_positions]
         if len(ids) < 2:
             continue
+        gen = 0 if score_from is None else int(score_from[index])
         x = torch.tensor([ids])
         if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
             t_logits, per_depth = head_depth_logits(draft, target, x, depths)
@@ -165,6 +173,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
             per_depth = [draft(x).logits[0].float()] * depths
             nxt = x[0, 1:]
         rows_n = t_logits.shape[0]
+        predicted = torch.arange(rows_n, dtype=torch.float64) + (2 if is_head else 1)  # position of row's token
         text_ok = torch.zeros(rows_n, dtype=torch.float64)  # P(the next text token is drafted and accepted)
         reach = torch.ones(rows_n, dtype=torch.float64)  # P(the path to this row's node was accepted)
         for k, d_logits in enumerate(per_depth):
@@ -185,7 +194,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
                     drafts = draw_children(q, width, law, generator)
                 choice, _ = rule(p, q, drafts.tokens, drafts.valid)  # [M, W + 1]
                 choice = choice.double().clamp(min=0).cpu()
-                w = reach[s:e]
+                w = reach[s:e] * (predicted[s:e] >= gen + k)  # root (at position - k - 1) >= gen - 1
                 total[k] += (w[:, None] * choice).sum(dim=0)
                 weight[k] += w.sum()
                 if k + 1 < depths:
