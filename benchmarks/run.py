@@ -134,6 +134,27 @@ def build_methods(model, draft, args) -> list:
             ts_method("ts_lookup_head", model, lambda: LookupHeadDrafter(NgramDrafter(NgramConfig(
                 depth=args.ngram_depth, branches=1, adaptive=True)), head_drafter(args.head_confidence))),
         ]
+        # online fine-tuning (OSD-style): its own copy of the head, kept (and learning) across the
+        # prompts of one temperature, like the online n-gram store; a fresh copy per temperature
+        from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
+
+        def online_head() -> OnlineHeadDrafter:
+            own = load_default_head(model) if args.head == "shipped" else EagleHead.load(args.head, model)
+            return OnlineHeadDrafter(HeadDrafter(own, StaticTreeShape(chain), min_confidence=args.head_confidence),
+                                     OnlineHeadConfig())
+
+        learner = [online_head()]
+        learner_method = ts_method("ts_online_head", model, lambda: learner[0])
+        learner_method.reset = lambda: learner.__setitem__(0, online_head())
+        methods.append(learner_method)
+    if args.medusa:  # Medusa-style decoding heads: deterministic top-k candidates along index paths
+        from treespec.drafting.medusa import MedusaHeads
+        from treespec.trees.grow import ShapeDrafter
+        from treespec.trees.shape import TreeShape
+
+        medusa = MedusaHeads.load(args.medusa, model)
+        medusa_shape = TreeShape.from_paths(json.loads(args.medusa_paths))
+        methods.append(ts_method("ts_medusa", model, lambda: ShapeDrafter(medusa, medusa_shape, "deterministic")))
     if draft is not None:
         methods += [
             hf_method("hf_assisted", model, counter, draft=draft),
@@ -255,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
     ap.add_argument("--head", default=None,
                     help="'shipped' or a head .safetensors: adds ts_head_chain, ts_head_confident, ts_lookup_head")
+    ap.add_argument("--medusa", default=None, help="Medusa heads .safetensors: adds ts_medusa")
+    ap.add_argument("--medusa-paths", default="[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]",
+                    help="JSON index paths of the Medusa tree (rank of each head's top-k per depth)")
     ap.add_argument("--head-tree", type=int, nargs="+", default=[1, 1, 1], help="children per depth of head trees")
     ap.add_argument("--head-confidence", type=float, default=0.2, help="min_confidence of the confident variants")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")

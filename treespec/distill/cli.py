@@ -1,4 +1,4 @@
-"""``python -m treespec.distill build-corpus | train | evaluate`` on the embedded Gemma-3-270M (or any HF LM).
+"""``python -m treespec.distill build-corpus | train | medusa | evaluate`` on the embedded Gemma-3-270M (or any HF LM).
 
 Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
 otherwise: corpora in ``corpus/<name>``, runs (checkpoints, ``head.safetensors``) in ``runs/<name>``.
@@ -92,6 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tau", action="store_true", help="also tau of a chain of 4 in the engine (T=0, T=1)")
     e.add_argument("--tau-prompts", type=int, default=8)
     e.add_argument("--json", default=None, help="write the metrics here too")
+    m = sub.add_parser("medusa", help="train (or resume) Medusa-style decoding heads on corpora")
+    common(m)
+    m.add_argument("--corpus", default="train", help="corpus names or directories, comma-separated")
+    m.add_argument("--corpus-weights", default=None, help="comma-separated sampling weight per corpus")
+    m.add_argument("--run", default="gemma3-270m-medusa", help="run name (checkpoints under the cache) ...")
+    m.add_argument("--run-dir", default=None, help="... or an explicit directory")
+    m.add_argument("--vocab-from", default=None,
+                   help="take the vocabulary subset of this EAGLE head file (default: the corpus's most frequent)")
+    m.add_argument("--export", default=None, help="write the trained heads here (fp16)")
+    m.add_argument("--evaluate", default=None, help="corpus to report per-head agreement on (held out)")
+    m.add_argument("--time-limit", type=float, default=None, help="minutes")
+    from .medusa import MedusaTrainConfig
+
+    for field, default in MedusaTrainConfig().__dict__.items():
+        if field == "time_limit_s":
+            continue
+        m.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+
     x = sub.add_parser("export", help="write a run's newest checkpoint as a head file (training may go on)")
     x.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
     x.add_argument("--run-dir", default=None, help="... or an explicit directory")
@@ -133,6 +151,28 @@ def main(argv: list[str] | None = None) -> None:
 
         run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
         print(json.dumps(export_checkpoint(run_dir, args.out, getattr(torch, args.dtype)), indent=1))
+    elif args.command == "medusa":
+        from .medusa import MedusaTrainConfig, evaluate_medusa, train_medusa
+
+        fields = {k: getattr(args, k) for k in MedusaTrainConfig().__dict__ if k != "time_limit_s"}
+        cfg = MedusaTrainConfig(**fields, time_limit_s=None if args.time_limit is None else args.time_limit * 60)
+        model = load_model(args.target, dtype=args.dtype)
+        run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
+        corpora = [_corpus_dir(c) for c in args.corpus.split(",")]
+        weights = [float(w) for w in args.corpus_weights.split(",")] if args.corpus_weights else None
+        vocab = None
+        if args.vocab_from:
+            from ..drafting.head import EagleHead
+
+            vocab = EagleHead.load(args.vocab_from).vocab_ids
+        heads, summary = train_medusa(model, corpora, run_dir, cfg, corpus_weights=weights, vocab_ids=vocab,
+                                      progress=not args.no_progress)
+        if args.evaluate:
+            summary["evaluation"] = {"corpus": str(_corpus_dir(args.evaluate)),
+                                     **evaluate_medusa(heads, _corpus_dir(args.evaluate))}
+        if args.export:
+            heads.save(args.export, dtype=torch.float16, extra={"summary": summary})
+        print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
     elif args.command == "train":
         from .train import TrainConfig, train
 

@@ -18,14 +18,19 @@ from ..verify import VerifyResult
 
 def as_runner(model):
     """A draft runner for ``model``: a causal LM (or its :class:`ModelRunner`) or an attached
-    :class:`~treespec.drafting.head.EagleHead` (or its :class:`~treespec.drafting.head_runner.HeadRunner`)."""
+    :class:`~treespec.drafting.head.EagleHead` (or its :class:`~treespec.drafting.head_runner.HeadRunner`),
+    or attached :class:`~treespec.drafting.medusa.MedusaHeads` (or their
+    :class:`~treespec.drafting.medusa.MedusaRunner`)."""
     from ..drafting.head import EagleHead
     from ..drafting.head_runner import HeadRunner
+    from ..drafting.medusa import MedusaHeads, MedusaRunner
 
-    if isinstance(model, (ModelRunner, HeadRunner)):
+    if isinstance(model, (ModelRunner, HeadRunner, MedusaRunner)):
         return model
     if isinstance(model, EagleHead):
         return HeadRunner(model)
+    if isinstance(model, MedusaHeads):
+        return MedusaRunner(model)
     return ModelRunner(model)
 
 

@@ -130,6 +130,8 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     * a draft :class:`~treespec.drafting.head.EagleHead` reads the target's true hidden states at
       depth 1 but its own output features deeper in a tree
       (:func:`~treespec.drafting.head_runner.head_depth_logits` emulates that along the text);
+      :class:`~treespec.drafting.medusa.MedusaHeads` draft depth k with head k from the hidden state
+      before the root (:func:`~treespec.drafting.medusa.medusa_depth_logits`);
     * F(T) multiplies acceptances along a path, so the row of depth k must be the acceptance
       *given that the path to the node was accepted*; positions where the draft does well come in
       runs, so that conditional acceptance grows with depth. The row of depth k therefore weights
@@ -145,6 +147,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     """
     from ..drafting.head import EagleHead
     from ..drafting.head_runner import head_depth_logits
+    from ..drafting.medusa import MedusaHeads, medusa_depth_logits
     from ..generate import DEFAULT_VERIFIER
     from ..verify import VERIFIER_RULES
 
@@ -158,7 +161,8 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     total = torch.zeros(depths, width + 1, dtype=torch.float64)
     weight = torch.zeros(depths, dtype=torch.float64)
     vocab = target.get_output_embeddings().weight.shape[0]
-    is_head = isinstance(draft, EagleHead)
+    is_head = isinstance(draft, (EagleHead, MedusaHeads))
+    depth_logits = medusa_depth_logits if isinstance(draft, MedusaHeads) else head_depth_logits
     for index, ids in enumerate(prompts):
         ids = list(ids)[:max_positions]
         if len(ids) < 2:
@@ -166,7 +170,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
         gen = 0 if score_from is None else int(score_from[index])
         x = torch.tensor([ids])
         if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
-            t_logits, per_depth = head_depth_logits(draft, target, x, depths)
+            t_logits, per_depth = depth_logits(draft, target, x, depths)
             nxt = x[0, 2:]  # the text token each row predicts
         else:  # a causal LM reads the true context at every depth: the same rows serve each depth
             t_logits = target(x).logits[0].float()  # [L, V]
