@@ -97,12 +97,43 @@ def make_drafter(name: str, budget: int, draft, vocab: int, acc: list[float] | N
     raise ValueError(name)
 
 
+# Spec-Bench subtask -> train-file categories of the same kind of task (for --calib-mix specbench)
+SPECBENCH_MIX = {"mt_bench": ("writing", "general"), "translation": ("translation",),
+                 "summarization": ("summarization",), "qa": ("qa",), "math_reasoning": ("math",),
+                 "rag": ("qa_context",)}
+# train-file rows in the shipped head's corpora (its model card): the first 6,108 of the seed-0
+# shuffle (train-k0; train-greedy used its first 128) and the first 128 of the seed-1 shuffle (train-sample)
+HEAD_ROWS_SEED0, HEAD_ROWS_SEED1 = 6108, 128
+
+
+def held_out_rows(count: int, mix: str = "train") -> list[dict]:
+    """``count`` train rows the shipped head never saw: the end of the seed-0 shuffle past its corpora.
+
+    ``mix="train"``: the last rows, in the train file's own task mix. ``mix="specbench"``: equally many
+    rows for each Spec-Bench subtask, from the train categories of the same kind of task
+    (:data:`SPECBENCH_MIX`), i.e. the benchmark's task mix with train text only (the eval prompts
+    are never read)."""
+    from treespec.distill.corpus import read_prompts as shuffled_prompts
+
+    seen = {r["id"] for r in shuffled_prompts(TRAIN, seed=1)[:HEAD_ROWS_SEED1]}
+    pool = [r for r in shuffled_prompts(TRAIN, seed=0)[HEAD_ROWS_SEED0:] if r["id"] not in seen]
+    if mix == "train":
+        return pool[-count:]
+    if mix != "specbench":
+        raise ValueError(f"unknown calibration mix {mix!r}")
+    per = -(-count // len(SPECBENCH_MIX))
+    rows: list[dict] = []
+    for cats in SPECBENCH_MIX.values():
+        rows += [r for r in pool if r["category"] in cats][-per:]
+    return rows
+
+
 def calibration_sequences(target, draft, encode, args):
     """Token sequences the Sequoia acceptance rows are measured on (TRAIN prompts only).
 
     Default: the first ``--calib-prompts`` train prompts, <= 128 tokens. With ``--calib-held-out``
-    the LAST rows of the seed-0 shuffle of the train file (the order ``treespec.distill`` builds its
-    corpora in, so rows a shipped head was never trained on), and with ``--calib-continue N`` each
+    train rows the shipped head was never trained on (:func:`held_out_rows`; ``--calib-mix specbench``
+    picks them in the benchmark's task mix), and with ``--calib-continue N`` each
     prompt (cut to 128 - N tokens) is followed by N tokens the target itself generates at the
     calibration temperature (seeded): the text a tree is then drafted along resembles generation.
     Returns ``(sequences, score_from)``, or a function of the temperature returning them when
@@ -112,12 +143,12 @@ def calibration_sequences(target, draft, encode, args):
     if not args.calib_held_out:
         texts = read_prompts(TRAIN, args.calib_prompts)
     else:
-        from treespec.distill.corpus import read_prompts as shuffled_prompts
-        texts = [r["prompt"] for r in shuffled_prompts(TRAIN, seed=0)[-args.calib_prompts:]]
-    n = args.calib_continue
-    prompts = [encode(p)[: 128 - n] for p in texts]
+        texts = [r["prompt"] for r in held_out_rows(args.calib_prompts, args.calib_mix)]
+    n, limit = args.calib_continue, args.calib_max_len
     if n == 0:
-        return prompts, None
+        return [encode(p)[:limit] for p in texts], None
+    # a prompt keeps its last tokens, as the eval prompts do (``--max-prompt-tokens``), then n generated
+    prompts = [encode(p)[-(limit - n):] for p in texts]
 
     def with_continuations(t: float) -> list[list[int]]:
         cfg = lambda i: GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(t), seed=i,  # noqa: E731
@@ -168,6 +199,11 @@ def main(argv=None) -> int:
                     help="calibrate on the last train rows of the distillation order (never seen by a shipped head)")
     ap.add_argument("--calib-continue", type=int, default=0,
                     help="append N target-generated tokens to each calibration prompt (at the calibration T)")
+    ap.add_argument("--calib-max-len", type=int, default=128,
+                    help="tokens per calibration sequence (prompt + continuation)")
+    ap.add_argument("--calib-mix", choices=["train", "specbench"], default="train",
+                    help="with --calib-held-out: the train file's task mix, or Spec-Bench's (equal rows per subtask "
+                         "from the train categories of the same kind)")
     ap.add_argument("--calib-generated-only", action="store_true",
                     help="with --calib-continue: count only the generated positions (the prompt is context)")
     ap.add_argument("--calib-depths", type=int, default=6,
@@ -176,6 +212,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.calib_generated_only and not args.calib_continue:
         ap.error("--calib-generated-only needs --calib-continue N (generated tokens to score)")
+    if not 0 <= args.calib_continue < args.calib_max_len:
+        ap.error("--calib-continue must be >= 0 and below --calib-max-len")
     if args.quick:
         args.per_subtask, args.max_new_tokens, args.budgets = 1, 16, "8,16"
         args.calib_prompts = min(args.calib_prompts, 8)
@@ -227,6 +265,7 @@ def main(argv=None) -> int:
                 # a head is calibrated per depth (it drafts from its own features below depth 1)
                 seqs, starts = calib(t) if callable(calib) else calib
                 vec = measure_acceptance_vector(target, draft, seqs, SamplingConfig(t), width=8,
+                                                max_positions=args.calib_max_len,
                                                 depths=args.calib_depths if is_head else 1, score_from=starts,
                                                 generator=torch.Generator().manual_seed(0))
                 accs[t] = vec.rows

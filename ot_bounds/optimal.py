@@ -121,13 +121,28 @@ class OptimalAcceptance:
 
 
 def _ratio_order(p: NDArray[np.float64], q: NDArray[np.float64], cap: float) -> NDArray[np.int64]:
-    """Tokens with q > 0 and p/q <= cap, sorted by p/q ascending."""
+    """Tokens with q > 0 and p/q <= cap, sorted by p/q ascending.
+
+    One sort of 64-bit integer keys instead of an argsort (several times faster on large
+    vocabularies): a non-negative float's bit pattern orders like the float, so the ratio's bits
+    with their ``b`` lowest mantissa bits replaced by the token's rank in ``pos`` (``2^b >= m``)
+    sort into ratio order. Ratios that agree to a relative ``2^-(52-b)`` (``~6e-11`` for
+    ``m = 262,144``) are treated as ties; making them exact ties moves ``p`` by at most that
+    fraction in L1, and ``alpha*`` is 1-Lipschitz in ``p`` (L1), so the optimum over these
+    prefixes is within ``2^-(51-b)`` of the exact one (tie order is irrelevant: module docs).
+    """
     pos = np.flatnonzero(q > 0)
     with np.errstate(over="ignore"):  # subnormal q: ratio inf, sorted last
         ratio = p[pos] / q[pos]
     keep = ratio <= cap
     pos, ratio = pos[keep], ratio[keep]
-    return pos[np.argsort(ratio)]  # tie order is irrelevant (see module docs)
+    bits = max(int(pos.size - 1).bit_length(), 1)
+    if bits > 24:  # too many tokens to give up that many mantissa bits: a plain argsort
+        return pos[np.argsort(ratio)]
+    key = ratio.view(np.int64) >> bits << bits  # ratio >= 0: the int64 view is monotone in it
+    key |= np.arange(pos.size, dtype=np.int64)
+    key.sort()
+    return pos[key & ((1 << bits) - 1)]
 
 
 def _finish(
