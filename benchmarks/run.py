@@ -152,9 +152,13 @@ def build_methods(model, draft, args) -> list:
         from treespec.trees.grow import ShapeDrafter
         from treespec.trees.shape import TreeShape
 
-        medusa = MedusaHeads.load(args.medusa, model)
-        medusa_shape = TreeShape.from_paths(json.loads(args.medusa_paths))
-        methods.append(ts_method("ts_medusa", model, lambda: ShapeDrafter(medusa, medusa_shape, "deterministic")))
+        from treespec.drafting.shipped import load_default_medusa
+
+        medusa = load_default_medusa(model) if args.medusa == "shipped" else MedusaHeads.load(args.medusa, model)
+        for paths in args.medusa_paths:  # one method per tree, named by its node count
+            shape = TreeShape.from_paths(json.loads(paths))
+            methods.append(ts_method(f"ts_medusa_{shape.num_drafted}", model,
+                                     lambda shape=shape: ShapeDrafter(medusa, shape, "deterministic")))
     if draft is not None:
         methods += [
             hf_method("hf_assisted", model, counter, draft=draft),
@@ -276,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
     ap.add_argument("--head", default=None,
                     help="'shipped' or a head .safetensors: adds ts_head_chain, ts_head_confident, ts_lookup_head")
-    ap.add_argument("--medusa", default=None, help="Medusa heads .safetensors: adds ts_medusa")
-    ap.add_argument("--medusa-paths", default="[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]",
-                    help="JSON index paths of the Medusa tree (rank of each head's top-k per depth)")
+    ap.add_argument("--medusa", default=None,
+                    help="'shipped' or Medusa heads .safetensors: adds ts_medusa_N (N = drafted nodes) per tree")
+    ap.add_argument("--medusa-paths", nargs="+", default=["[[0],[1],[0,0]]", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"],
+                    help="Medusa trees as JSON index paths (rank in each head's top-k, one entry per depth)")
     ap.add_argument("--head-tree", type=int, nargs="+", default=[1, 1, 1], help="children per depth of head trees")
     ap.add_argument("--head-confidence", type=float, default=0.2, help="min_confidence of the confident variants")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")

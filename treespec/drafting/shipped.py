@@ -12,9 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from .head import EagleHead
+from .medusa import MedusaHeads
 
 #: the shipped weights (fp16, <= 16 MB)
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-head.safetensors"
+
+#: Medusa-style decoding heads for the same target (3 heads, 1.2M trained parameters, fp16;
+#: ``python -m treespec.distill medusa`` on the same corpora, see the README)
+DEFAULT_MEDUSA = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-medusa.safetensors"
 
 #: how the CLI drafts with it by default: chosen on train prompts (benchmarks/results/tuning/, fp32, T=0;
 #: confidence 0.2 beat 0.4 for lookup+head: 2.32x vs 2.16x over plain decoding)
@@ -30,3 +35,13 @@ def load_default_head(target) -> EagleHead:
         return EagleHead.load(DEFAULT_HEAD, target)
     except ValueError as err:
         raise ValueError(f"the shipped draft head belongs to the embedded Gemma-3-270M: {err}") from err
+
+
+def load_default_medusa(target) -> MedusaHeads:
+    """The shipped Medusa heads, attached to ``target`` (the embedded Gemma-3-270M)."""
+    if not DEFAULT_MEDUSA.exists():
+        raise FileNotFoundError(f"the shipped Medusa heads are missing ({DEFAULT_MEDUSA}); reinstall treespec")
+    try:
+        return MedusaHeads.load(DEFAULT_MEDUSA, target)
+    except ValueError as err:
+        raise ValueError(f"the shipped Medusa heads belong to the embedded Gemma-3-270M: {err}") from err
