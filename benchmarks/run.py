@@ -159,6 +159,11 @@ def build_methods(model, draft, args) -> list:
             shape = TreeShape.from_paths(json.loads(paths))
             methods.append(ts_method(f"ts_medusa_{shape.num_drafted}", model,
                                      lambda shape=shape: ShapeDrafter(medusa, shape, "deterministic")))
+            if args.medusa_confidence > 0:  # adaptive draft length: only confident candidates kept
+                methods.append(ts_method(
+                    f"ts_medusa_{shape.num_drafted}_c{args.medusa_confidence:g}", model,
+                    lambda shape=shape: ShapeDrafter(medusa, shape, "deterministic",
+                                                     min_confidence=args.medusa_confidence)))
     if draft is not None:
         methods += [
             hf_method("hf_assisted", model, counter, draft=draft),
@@ -284,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="'shipped' or Medusa heads .safetensors: adds ts_medusa_N (N = drafted nodes) per tree")
     ap.add_argument("--medusa-paths", nargs="+", default=["[[0],[1],[0,0]]", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"],
                     help="Medusa trees as JSON index paths (rank in each head's top-k, one entry per depth)")
+    ap.add_argument("--medusa-confidence", type=float, default=0.2,
+                    help="also run each Medusa tree with this min_confidence (0: no confident variant)")
     ap.add_argument("--head-tree", type=int, nargs="+", default=[1, 1, 1], help="children per depth of head trees")
     ap.add_argument("--head-confidence", type=float, default=0.2, help="min_confidence of the confident variants")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")

@@ -12,10 +12,13 @@ import torch
 from treespec.cli import main as cli_main
 from treespec.drafting.model import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
+from treespec.drafting.shipped import load_default_medusa
 from treespec.generate import GenerationConfig, generate
 from treespec.models.loading import load_model, load_tokenizer
 from treespec.models.runner import ModelRunner
 from treespec.sampling import SamplingConfig
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 
 pytestmark = pytest.mark.gemma
 
@@ -47,11 +50,13 @@ def test_plain_loop_matches_hugging_face_greedy(gemma, plain_outputs):
     assert hf.tolist() == plain_outputs[0]
 
 
-@pytest.mark.parametrize("drafter", ["ngram_chain", "ngram_tree", "self_chain", "self_tree"])
+@pytest.mark.parametrize("drafter", ["ngram_chain", "ngram_tree", "self_chain", "self_tree", "shipped_medusa"])
 def test_greedy_speculation_is_token_identical(gemma, plain_outputs, drafter):
     model, tok = gemma
     # n-gram drafts on all prompts; the (twice as costly) self-drafts on the first prompt
     cases = list(zip(PROMPTS, plain_outputs))[: 1 if drafter.startswith("self") else None]
+    medusa = load_default_medusa(model) if drafter == "shipped_medusa" else None
+    accepted = 0
     for prompt, plain in cases:
         make = {
             "ngram_chain": lambda: NgramDrafter(NgramConfig(depth=6, branches=1)),
@@ -59,11 +64,16 @@ def test_greedy_speculation_is_token_identical(gemma, plain_outputs, drafter):
             # the target as its own draft: every level accepted, deep commits of model-drafted nodes
             "self_chain": lambda: ModelDrafter(model, StaticTreeShape.chain(3)),
             "self_tree": lambda: ModelDrafter(model, StaticTreeShape((2, 2))),
+            # the shipped Medusa heads: top-k candidates of each head along index paths
+            "shipped_medusa": lambda: ShapeDrafter(medusa, TreeShape.from_paths([[0], [1], [0, 0], [0, 0, 0]]),
+                                                   "deterministic"),
         }[drafter]
         out = generate(model, tok(prompt)["input_ids"], make(), GREEDY)
         assert out.token_ids == plain
+        accepted += sum(s.accepted for s in out.steps)
         if drafter.startswith("self"):
             assert out.tau > 2.5
+    assert accepted > 0  # drafts were used, not only bonus tokens
 
 
 def test_cache_after_speculation_equals_fresh_prefill(gemma):

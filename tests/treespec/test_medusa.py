@@ -119,6 +119,7 @@ def test_save_load_and_wrong_target(tmp_path, target, heads):  # noqa: F811
 
 BUILDERS = {
     "medusa_topk": lambda h: ShapeDrafter(h, TreeShape.widths((3, 2, 1)), "deterministic"),
+    "medusa_confident": lambda h: ShapeDrafter(h, TreeShape.widths((3, 2, 1)), "deterministic", min_confidence=0.02),
     "medusa_paths": lambda h: ShapeDrafter(h, TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
                                            "deterministic"),
     "sequoia": lambda h: ShapeDrafter(h, SequoiaDP([0.5, 0.2, 0.1], 10, 3).shape(10, 3)),
@@ -139,6 +140,30 @@ def test_every_builder_with_medusa_heads_is_greedy_exact(target, builder):  # no
         assert out.token_ids == plain
         accepted += sum(s.accepted for s in out.steps)
     assert accepted > 0  # the heads' drafts were used, not only bonus tokens
+
+
+def test_confidence_pruning_of_medusa_candidates(target, heads):  # noqa: F811
+    """Deterministic candidates below ``min_confidence`` are dropped with their subtrees: the tree
+    holds exactly the confident top-k tokens of each depth's head, nested."""
+    ids = prompts()[0][:9]
+    hidden = target.base_model(input_ids=torch.tensor([ids[:-1]])).last_hidden_state[0]
+    probs = torch.softmax(heads.full_logits(hidden[-1:])[0], dim=-1)  # [K, V]
+    widths = (3, 2, 1)
+    for c in (0.0, 0.05, 0.2, 0.6):
+        drafter = ShapeDrafter(heads, TreeShape.widths(widths), "deterministic", min_confidence=c)
+        drafter.begin(ids)
+        tree = drafter.propose(DraftState(ids, 8, hidden), SamplingConfig(0.0), None).tree
+        kept = [int((probs[d].topk(w).values >= c).sum()) for d, w in enumerate(widths)]
+        expected, level = 0, 1
+        for k in kept:
+            level *= k
+            expected += level
+        assert tree.num_nodes - 1 == expected, c
+        for node in range(1, tree.num_nodes):
+            d = int(tree.depths[node]) - 1
+            assert float(probs[d, int(tree.tokens[node])]) >= c
+    with pytest.raises(ValueError, match="min_confidence"):
+        ShapeDrafter(heads, TreeShape.widths(widths), "deterministic", min_confidence=1.0)
 
 
 class _UniformQ:
@@ -167,6 +192,8 @@ LAW_CASES = {
     "medusa_topk": (lambda h: ShapeDrafter(h, TreeShape.widths((2, 2, 1)), "deterministic"), None),
     "paths_iid": (lambda h: ShapeDrafter(h, TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), "iid"),
                   "rrs"),
+    # adaptive draft length at T = 1: every drawn child kept, only confident ones expanded
+    "paths_iid_adaptive": (lambda h: ShapeDrafter(h, TreeShape.widths((2, 2, 1)), "iid", min_confidence=0.3), "rrs"),
 }
 
 

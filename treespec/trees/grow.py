@@ -44,14 +44,22 @@ class ShapeDrafter(RunnerDrafter):
     shape : the template tree (budget = ``shape.num_drafted`` nodes).
     law : how each node's children are drawn at temperature > 0 (one of ``DRAFT_LAWS``).
     target_vocab_size : the target's vocabulary (a smaller draft vocabulary is zero-padded).
+    min_confidence : adaptive draft length (as :class:`~treespec.drafting.head.HeadDrafter`): with
+        deterministic candidates a child is kept only if the draft gives it at least this
+        probability (softmax of its logits), its template subtree is dropped otherwise; with sampled
+        children every drawn child is kept and only those whose own draft probability reaches the
+        threshold get children. Both depend only on the draft, so verification stays lossless.
     """
 
     def __init__(self, model, shape: TreeShape, law: str = "without_replacement",
-                 target_vocab_size: int | None = None) -> None:
+                 target_vocab_size: int | None = None, min_confidence: float = 0.0) -> None:
         super().__init__(model, target_vocab_size)
         check_shape_law(shape, law)
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.tree_shape = shape
         self.draft_law = law
+        self.min_confidence = float(min_confidence)
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic" if sampling.greedy else self.draft_law
@@ -75,19 +83,32 @@ class ShapeDrafter(RunnerDrafter):
             logits = self._forward(tree, expand, chain)  # [M, V]
             chain = None
             counts = torch.tensor([len(kids_of[template[i]]) for i in expand], dtype=torch.long, device=device)
+            confident = None  # [M, k] bool: the child's draft probability reaches min_confidence
             if law == "deterministic":
                 drafts = draw_children(logits, counts, "deterministic")  # top-k of the logits
+                if self.min_confidence > 0.0:
+                    conf = torch.softmax(logits.float(), dim=-1).gather(1, drafts.tokens.clamp(min=0))
+                    confident = (conf >= self.min_confidence).tolist()
             else:
                 q = logits_to_probs(logits, sampling)  # [M, V]
                 drafts = draw_children(q, counts, law, generator)
                 rows.append(q)
                 expanded.extend(expand)
+                if self.min_confidence > 0.0:
+                    confident = (q.gather(1, drafts.tokens.clamp(min=0)) >= self.min_confidence).tolist()
             toks, valid = drafts.tokens.tolist(), drafts.valid.tolist()  # one host sync per level
             frontier = []
             for r, node in enumerate(expand):
                 for j, child_template in enumerate(kids_of[template[node]]):
                     if not valid[r][j]:
                         break  # without replacement: q's support is exhausted; later ranks too
+                    if confident is not None and not confident[r][j]:
+                        if law == "deterministic":
+                            break  # ranks come in falling probability: later ones are below it too
+                        parents.append(node)  # a sampled child stays (its law is intact) as a leaf
+                        tokens.append(toks[r][j])
+                        template.append(child_template)
+                        continue
                     frontier.append(len(tokens))
                     parents.append(node)
                     tokens.append(toks[r][j])
