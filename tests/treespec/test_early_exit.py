@@ -1,4 +1,11 @@
-"""Self-speculative early-exit drafts share the target's weights and are exact HF models."""
+"""Self-speculative early-exit drafts share the target's weights and are exact HF models.
+
+Output law at T = 1 (vocabulary-6 Llama with 4 layers, the draft = its first layer): the first three
+generated tokens follow the exact target law for an early-exit tree drawn i.i.d. and for the same
+tree with confidence-based early stopping (only children the draft gives >= 0.3 get children);
+seeds 0..N-1, N = 400, G test with cells of expected count < 5 pooled, alpha = 1e-3. The twin
+(draft probabilities replaced by a uniform q the children were not drawn from) must fail.
+"""
 
 import pytest
 import torch
@@ -8,6 +15,12 @@ from treespec.generate import GenerationConfig, generate
 from treespec.models.early_exit import early_exit_model
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
+
+from .test_end_to_end_stats import ALPHA, UniformQ, exact_law, g_test, sample_counts
+
+N = 400
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -33,3 +46,23 @@ def test_bad_layer_count():
     target = tiny_model("llama", 64, num_layers=4)
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, 3\]"):
         early_exit_model(target, 4)
+
+
+LAW_CASES = {
+    "iid": lambda d: ShapeDrafter(d, TreeShape.widths((2, 2)), "iid"),
+    "iid_confident": lambda d: ShapeDrafter(d, TreeShape.widths((2, 2)), "iid", min_confidence=0.3),
+}
+
+
+@pytest.mark.parametrize("case,broken", [(c, False) for c in sorted(LAW_CASES)] + [("iid", True)])
+def test_early_exit_output_law_at_t1(case, broken):
+    target = tiny_model("llama", 6, seed=0, num_layers=4, logit_scale=12.0)
+    draft = early_exit_model(target, 1)  # its q is far from uniform (0.02..0.48), which the twin needs
+    sampling = SamplingConfig(1.0)
+    wrap = UniformQ if broken else (lambda d: d)
+    counts = sample_counts(target, lambda: wrap(LAW_CASES[case](draft)), "rrs", sampling, n=N)
+    p_value = g_test(counts, exact_law(target, sampling), N)
+    if broken:
+        assert p_value < ALPHA, f"the broken twin passed (G-test p = {p_value:.2e})"
+    else:
+        assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"

@@ -17,6 +17,7 @@ import torch
 from scipy.stats import chi2
 
 from treespec import verify as verify_mod
+from treespec.drafting.base import Draft
 from treespec.drafting.model import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
@@ -80,10 +81,11 @@ def g_test(counts: dict, law: dict, n: int) -> float:
     return float(chi2.sf(g, len(observed) - 1))
 
 
-def sample_counts(target, make_drafter, verifier: str, sampling: SamplingConfig) -> dict:
+def sample_counts(target, make_drafter, verifier: str, sampling: SamplingConfig, n: int = N) -> dict:
+    """Counts of the first three generated tokens over seeds ``0..n-1`` (a fresh drafter per seed)."""
     counts: dict[tuple[int, ...], int] = {}
     cfg_base = dict(max_new_tokens=3, sampling=sampling, stop_on_eos=False, verifier=verifier)
-    for seed in range(N):
+    for seed in range(n):
         out = generate(target, PROMPT, make_drafter(), GenerationConfig(seed=seed, **cfg_base))
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
@@ -106,6 +108,29 @@ def test_ngram_candidates_follow_target_law(models, adaptive):
     config = NgramConfig(min_ngram=1, depth=2, branches=3, adaptive=adaptive, start_depth=1)
     counts = sample_counts(target, lambda: NgramDrafter(config), "deterministic", T1)
     assert g_test(counts, exact_law(target, T1), N) > ALPHA
+
+
+class UniformQ:
+    """Deliberately broken drafter wrapper: the children stay drawn from the inner drafter's q, the
+    verifier is told q is uniform (the twin of every G test of a sampled draft law)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def law(self, sampling):
+        return self.inner.law(sampling)
+
+    def begin(self, prompt):
+        self.inner.begin(prompt)
+
+    def propose(self, state, sampling, generator):
+        d = self.inner.propose(state, sampling, generator)
+        if d.draft_probs is None:  # a root-only tree (the last step)
+            return d
+        return Draft(d.tree, torch.full_like(d.draft_probs, 1.0 / d.draft_probs.shape[1]))
+
+    def accept(self, result, emitted):
+        self.inner.accept(result, emitted)
 
 
 def _broken_rrs_rule(p, q, child_tokens, child_valid):

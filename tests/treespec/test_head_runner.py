@@ -14,7 +14,7 @@
 import pytest
 import torch
 
-from treespec.drafting.base import Draft, DraftState
+from treespec.drafting.base import DraftState
 from treespec.drafting.head import HeadDrafter
 from treespec.drafting.head_runner import HeadRunner, head_depth_logits
 from treespec.drafting.model import StaticTreeShape
@@ -30,7 +30,7 @@ from treespec.trees.sequoia import SequoiaDP, measure_acceptance_vector
 from treespec.trees.shape import TreeShape
 
 from .test_distill import _small_head, corpus, prompts, target, trained  # noqa: F401
-from .test_end_to_end_stats import ALPHA, PROMPT, exact_law, g_test
+from .test_end_to_end_stats import ALPHA, UniformQ, exact_law, g_test, sample_counts
 
 N = 400
 
@@ -175,28 +175,6 @@ def test_depth_calibration_and_depth_aware_sequoia(target, trained):  # noqa: F8
         assert row == pytest.approx([1.0, 0.0, 0.0])
 
 
-class _UniformQ:
-    """Deliberately broken: the children stay drawn from the head's q, the verifier is told q is uniform."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def law(self, sampling):
-        return self.inner.law(sampling)
-
-    def begin(self, prompt):
-        self.inner.begin(prompt)
-
-    def propose(self, state, sampling, generator):
-        d = self.inner.propose(state, sampling, generator)
-        if d.draft_probs is None:
-            return d
-        return Draft(d.tree, torch.full_like(d.draft_probs, 1.0 / d.draft_probs.shape[1]))
-
-    def accept(self, result, emitted):
-        self.inner.accept(result, emitted)
-
-
 LAW_CASES = {
     # adaptive draft length at T = 1: every drawn child kept, only confident ones expanded
     "head_adaptive_iid": (lambda h: HeadDrafter(h, StaticTreeShape((2, 2, 1), "iid"), min_confidence=0.35), "rrs"),
@@ -211,13 +189,8 @@ def test_output_law_at_t1_with_head_trees(tmp_path, case, broken):
     small, head = _small_head(tmp_path)
     make, verifier = LAW_CASES[case]
     sampling = SamplingConfig(1.0)
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(N):
-        drafter = make(head)
-        drafter = _UniformQ(drafter) if broken else drafter
-        out = generate(small, PROMPT, drafter, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=seed,
-                                                               stop_on_eos=False, verifier=verifier))
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    wrap = UniformQ if broken else (lambda d: d)
+    counts = sample_counts(small, lambda: wrap(make(head)), verifier, sampling, n=N)
     p_value = g_test(counts, exact_law(small, sampling), N)
     if broken:
         assert p_value < ALPHA, f"the broken twin passed (G-test p = {p_value:.2e})"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from treespec.distill.medusa import MedusaTrainConfig, PositionPool, evaluate_medusa, train_medusa
-from treespec.drafting.base import Draft, DraftState
+from treespec.drafting.base import DraftState
 from treespec.drafting.medusa import MedusaConfig, MedusaHeads, MedusaRunner, medusa_depth_logits, new_medusa_heads
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import tiny_model
@@ -30,7 +30,7 @@ from treespec.trees.sequoia import SequoiaDP, measure_acceptance_vector
 from treespec.trees.shape import TreeShape
 
 from .test_distill import corpus, prompts, target  # noqa: F401
-from .test_end_to_end_stats import ALPHA, PROMPT, exact_law, g_test
+from .test_end_to_end_stats import ALPHA, UniformQ, exact_law, g_test, sample_counts
 
 N = 400
 
@@ -166,28 +166,6 @@ def test_confidence_pruning_of_medusa_candidates(target, heads):  # noqa: F811
         ShapeDrafter(heads, TreeShape.widths(widths), "deterministic", min_confidence=1.0)
 
 
-class _UniformQ:
-    """Deliberately broken: the children stay drawn from the heads' q, the verifier is told q is uniform."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def law(self, sampling):
-        return self.inner.law(sampling)
-
-    def begin(self, prompt):
-        self.inner.begin(prompt)
-
-    def propose(self, state, sampling, generator):
-        d = self.inner.propose(state, sampling, generator)
-        if d.draft_probs is None:  # a root-only tree (the last step)
-            return d
-        return Draft(d.tree, torch.full_like(d.draft_probs, 1.0 / d.draft_probs.shape[1]))
-
-    def accept(self, result, emitted):
-        self.inner.accept(result, emitted)
-
-
 LAW_CASES = {
     "medusa_topk": (lambda h: ShapeDrafter(h, TreeShape.widths((2, 2, 1)), "deterministic"), None),
     "paths_iid": (lambda h: ShapeDrafter(h, TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), "iid"),
@@ -203,13 +181,8 @@ def test_output_law_at_t1_with_medusa_trees(case, broken):
     heads = _random_heads(small, torch.tensor([1, 2, 3, 4]), scale=2.0, seed=1)
     make, verifier = LAW_CASES[case]
     sampling = SamplingConfig(1.0)
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(N):
-        drafter = make(heads)
-        drafter = _UniformQ(drafter) if broken else drafter
-        out = generate(small, PROMPT, drafter, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=seed,
-                                                               stop_on_eos=False, verifier=verifier or "auto"))
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    wrap = UniformQ if broken else (lambda d: d)
+    counts = sample_counts(small, lambda: wrap(make(heads)), verifier or "auto", sampling, n=N)
     p_value = g_test(counts, exact_law(small, sampling), N)
     if broken:
         assert p_value < ALPHA, f"the broken twin passed (G-test p = {p_value:.2e})"

@@ -32,6 +32,15 @@ def _tokenize(tokenizer, rows: list[dict], max_len: int) -> list[list[int]]:
     return seqs
 
 
+def _config_arguments(parser: argparse.ArgumentParser, defaults) -> None:
+    """One ``--field-name`` option per field of a config dataclass (``time_limit_s`` is ``--time-limit``)."""
+    for field, default in defaults.__dict__.items():
+        if field == "time_limit_s":
+            continue
+        kind = type(default) if default is not None else int
+        parser.add_argument("--" + field.replace("_", "-"), type=kind, default=default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m treespec.distill", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -75,11 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--time-limit", type=float, default=None, help="minutes")
     from .train import TrainConfig
 
-    for field, default in TrainConfig().__dict__.items():
-        if field == "time_limit_s":
-            continue
-        kind = type(default) if default is not None else int
-        t.add_argument("--" + field.replace("_", "-"), type=kind, default=default)
+    _config_arguments(t, TrainConfig())
 
     e = sub.add_parser("evaluate", help="agreement / acceptance / cost on held-out Spec-Bench prompts")
     common(e)
@@ -105,10 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--time-limit", type=float, default=None, help="minutes")
     from .medusa import MedusaTrainConfig
 
-    for field, default in MedusaTrainConfig().__dict__.items():
-        if field == "time_limit_s":
-            continue
-        m.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+    _config_arguments(m, MedusaTrainConfig())
 
     x = sub.add_parser("export", help="write a run's newest checkpoint as a head file (training may go on)")
     x.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
@@ -122,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _corpus_dir(name_or_dir: str) -> Path:
     p = Path(name_or_dir)
     return p if (p / "manifest.json").exists() or p.is_absolute() or "/" in name_or_dir else _root() / "corpus" / name_or_dir
+
+
+def _training_setup(args, config_cls, load_model):
+    """(config from the options, target, run directory, corpus directories) of a training command."""
+    fields = {k: getattr(args, k) for k in config_cls().__dict__ if k != "time_limit_s"}
+    cfg = config_cls(**fields, time_limit_s=None if args.time_limit is None else args.time_limit * 60)
+    model = load_model(args.target, dtype=args.dtype)
+    run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
+    return cfg, model, run_dir, [_corpus_dir(c) for c in args.corpus.split(",")]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,11 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "medusa":
         from .medusa import MedusaTrainConfig, evaluate_medusa, train_medusa
 
-        fields = {k: getattr(args, k) for k in MedusaTrainConfig().__dict__ if k != "time_limit_s"}
-        cfg = MedusaTrainConfig(**fields, time_limit_s=None if args.time_limit is None else args.time_limit * 60)
-        model = load_model(args.target, dtype=args.dtype)
-        run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
-        corpora = [_corpus_dir(c) for c in args.corpus.split(",")]
+        cfg, model, run_dir, corpora = _training_setup(args, MedusaTrainConfig, load_model)
         weights = [float(w) for w in args.corpus_weights.split(",")] if args.corpus_weights else None
         vocab = None
         if args.vocab_from:
@@ -176,11 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "train":
         from .train import TrainConfig, train
 
-        fields = {k: getattr(args, k) for k in TrainConfig().__dict__ if k != "time_limit_s"}
-        cfg = TrainConfig(**fields, time_limit_s=None if args.time_limit is None else args.time_limit * 60)
-        model = load_model(args.target, dtype=args.dtype)
-        run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
-        corpora = [_corpus_dir(c) for c in args.corpus.split(",")]
+        cfg, model, run_dir, corpora = _training_setup(args, TrainConfig, load_model)
         vocab_counts = None
         if args.vocab_prompts:
             from .corpus import check_not_eval, read_prompts

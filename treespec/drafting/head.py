@@ -23,9 +23,7 @@ causal chain, and grows the tree level by level from there (one head forward per
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import DRAFT_LAWS, TokenTree
 from ..verify import VerifyResult
 from .base import Draft, DraftState
+from .weights_file import read_weights, write_weights
 
 FORMAT = "treespec-eagle-head"
 FORMAT_VERSION = 1
@@ -177,33 +176,16 @@ class EagleHead(nn.Module):
 
     def save(self, path: str | Path, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
         """Atomically write weights + subset + config to one ``.safetensors`` file."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
-                   for k, v in self.trained_state().items()}
-        tensors["vocab_ids"] = self.vocab_ids.cpu().to(torch.int64).contiguous()
-        meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "config": json.dumps(asdict(self.cfg)),
-                "extra": json.dumps(extra or {})}
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        write_weights(path, self.trained_state(), self.vocab_ids, fmt=FORMAT, version=FORMAT_VERSION,
+                      config=asdict(self.cfg), extra=extra, dtype=dtype)
 
     @classmethod
     def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> "EagleHead":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"{path} is not a treespec EAGLE head")
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        cfg = HeadConfig(**json.loads(meta["config"]))
-        head = cls(cfg, tensors.pop("vocab_ids"))
-        head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
-        head.extra = json.loads(meta.get("extra", "{}"))
+        config, state, vocab_ids, extra = read_weights(path, fmt=FORMAT, what="EAGLE head")
+        head = cls(HeadConfig(**config), vocab_ids)
+        head.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+        head.extra = extra
         head = head.to(device=device, dtype=dtype).eval()
         if target is not None:
             head.attach(target)

@@ -26,8 +26,6 @@ rows come from the target at :meth:`MedusaHeads.attach`.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from torch import nn
 
 from ..tree import TokenTree
 from .base import DraftState
+from .weights_file import read_weights, write_weights
 
 FORMAT = "treespec-medusa-heads"
 FORMAT_VERSION = 1
@@ -130,35 +129,16 @@ class MedusaHeads(nn.Module):
     # ------------------------------------------------------------------ saving
     def save(self, path: str | Path, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
         """Atomically write the blocks + subset + config to one ``.safetensors`` file."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
-                   for k, v in self.state_dict().items()}
-        tensors["vocab_ids"] = self.vocab_ids.cpu().to(torch.int64).contiguous()
-        meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "config": json.dumps(asdict(self.cfg)),
-                "extra": json.dumps(extra or {})}
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            save_file(tensors, str(tmp), metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_weights(path, self.state_dict(), self.vocab_ids, fmt=FORMAT, version=FORMAT_VERSION,
+                      config=asdict(self.cfg), extra=extra, dtype=dtype)
 
     @classmethod
     def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> "MedusaHeads":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"{path} is not a treespec Medusa heads file")
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        heads = cls(MedusaConfig(**json.loads(meta["config"])), tensors.pop("vocab_ids"))
-        heads.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
-        heads.extra = json.loads(meta.get("extra", "{}"))
+        config, state, vocab_ids, extra = read_weights(path, fmt=FORMAT, what="Medusa heads file")
+        heads = cls(MedusaConfig(**config), vocab_ids)
+        heads.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+        heads.extra = extra
         heads = heads.to(device=device, dtype=dtype).eval()
         if target is not None:
             heads.attach(target)
