@@ -21,8 +21,7 @@ from treespec.generate import GenerationConfig, generate
 from treespec.sampling import SamplingConfig
 
 from .test_distill import _small_head, corpus, prompts, target, trained  # noqa: F401
-from .test_end_to_end_stats import ALPHA, PROMPT, exact_law, g_test
-from .test_head_runner import _UniformQ
+from .test_end_to_end_stats import ALPHA, PROMPT, UniformQ, exact_law, g_test
 
 N = 400
 
@@ -64,7 +63,7 @@ def test_output_law_at_t1_while_learning(tmp_path, broken):
     sampling = SamplingConfig(1.0)
     online = OnlineHeadDrafter(HeadDrafter(head, StaticTreeShape((2, 2), "iid")),
                                OnlineHeadConfig(lr=1e-2, update_every=2, window=16))
-    drafter = _UniformQ(online) if broken else online
+    drafter = UniformQ(online) if broken else online
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(N):
         out = generate(small, PROMPT, drafter, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=seed,
