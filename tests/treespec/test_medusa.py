@@ -231,3 +231,19 @@ def test_training_improves_agreement_and_resumes(target, corpus, tmp_path):  # n
     with pytest.raises(ValueError, match="another configuration"):
         train_medusa(target, [out], tmp_path / "run", MedusaTrainConfig(**{**CFG.__dict__, "lr": 1e-3}),
                      progress=False)
+
+
+def test_cli_trains_exports_and_evaluates(tmp_path, target, corpus, capsys):  # noqa: F811
+    """``python -m treespec.distill medusa`` on a saved tiny target: trains, evaluates, exports a loadable file."""
+    from treespec.distill.cli import main
+
+    target.save_pretrained(tmp_path / "t")
+    out, _ = corpus
+    main(["medusa", "--target", str(tmp_path / "t"), "--dtype", "float32", "--corpus", str(out), "--run-dir",
+          str(tmp_path / "r"), "--steps", "3", "--batch-size", "8", "--vocab-size", "32", "--num-heads", "2",
+          "--export", str(tmp_path / "m.safetensors"), "--no-progress", "--evaluate", str(out)])
+    summary = __import__("json").loads(capsys.readouterr().out)
+    assert summary["steps"] == 3 and len(summary["evaluation"]["top1_agreement_subset"]) == 2
+    heads = MedusaHeads.load(tmp_path / "m.safetensors", target)
+    assert heads.cfg.num_heads == 2 and heads.vocab_ids.numel() == 32
+    assert heads.extra["summary"]["steps"] == 3

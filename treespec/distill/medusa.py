@@ -169,11 +169,12 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
         if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
             break
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        losses = medusa_losses(heads, pool.batch(cfg.batch_size, cfg.num_heads, g), cfg, sub_index)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        losses["total"].backward()
+        with torch.enable_grad():  # also when the caller runs under no_grad
+            losses = medusa_losses(heads, pool.batch(cfg.batch_size, cfg.num_heads, g), cfg, sub_index)
+            for group in opt.param_groups:
+                group["lr"] = _lr(step, cfg)
+            opt.zero_grad(set_to_none=True)
+            losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
