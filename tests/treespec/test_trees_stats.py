@@ -43,13 +43,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_first_three_tokens_follow_target_law(models, case, monkeypatch):  # noqa: F811
+def test_first_three_tokens_follow_target_law(models, case):  # noqa: F811
     target, draft = models
     make, verifier, sampling = CASES[case]
     if case == "spectr_chains_kseq" and N < 1500:
         pytest.skip("full-power run only (TREESPEC_TREES_STATS_N=1500)")
-    monkeypatch.setattr(base, "N", N)
-    counts = base.sample_counts(target, lambda: make(draft), verifier, sampling)
+    counts = base.sample_counts(target, lambda: make(draft), verifier, sampling, n=N)
     p_value = g_test(counts, exact_law(target, sampling), N)
     assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
 
@@ -83,10 +82,9 @@ MATRIX = {
 
 
 @pytest.mark.parametrize("case", sorted(MATRIX))
-def test_builder_law_verifier_matrix(models, case, monkeypatch):  # noqa: F811
+def test_builder_law_verifier_matrix(models, case):  # noqa: F811
     target, draft = models
     make, verifier = MATRIX[case]
-    monkeypatch.setattr(base, "N", N)
-    counts = base.sample_counts(target, lambda: make(draft), verifier, T1)
+    counts = base.sample_counts(target, lambda: make(draft), verifier, T1, n=N)
     p_value = g_test(counts, exact_law(target, T1), N)
     assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
