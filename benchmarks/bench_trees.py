@@ -106,6 +106,29 @@ SPECBENCH_MIX = {"mt_bench": ("writing", "general"), "translation": ("translatio
 HEAD_ROWS_SEED0, HEAD_ROWS_SEED1 = 6108, 128
 
 
+def _held_out_pool() -> list[dict]:
+    """Train rows in no shipped head's corpora, in the seed-0 shuffle's order."""
+    from treespec.distill.corpus import read_prompts as shuffled_prompts
+
+    seen = {r["id"] for r in shuffled_prompts(TRAIN, seed=1)[:HEAD_ROWS_SEED1]}
+    return [r for r in shuffled_prompts(TRAIN, seed=0)[HEAD_ROWS_SEED0:] if r["id"] not in seen]
+
+
+def held_out_eval_rows(per_subtask: int, calib_count: int) -> list[dict]:
+    """Held-out train rows to measure on, disjoint from the ``--calib-mix specbench`` calibration rows.
+
+    For each Spec-Bench subtask, the ``per_subtask`` rows of the same kind of task just before the
+    ones :func:`held_out_rows` takes for calibration: the same distribution as the calibration
+    (so a gap to the prediction is the predictor's, not a shift between datasets), other prompts.
+    """
+    pool, calib_per = _held_out_pool(), -(-calib_count // len(SPECBENCH_MIX))
+    rows: list[dict] = []
+    for sub, cats in SPECBENCH_MIX.items():
+        kind = [r for r in pool if r["category"] in cats]
+        rows += [dict(r, subtask=sub) for r in kind[-(calib_per + per_subtask):-calib_per]]
+    return rows
+
+
 def held_out_rows(count: int, mix: str = "train") -> list[dict]:
     """``count`` train rows the shipped head never saw: the end of the seed-0 shuffle past its corpora.
 
@@ -113,10 +136,7 @@ def held_out_rows(count: int, mix: str = "train") -> list[dict]:
     rows for each Spec-Bench subtask, from the train categories of the same kind of task
     (:data:`SPECBENCH_MIX`), i.e. the benchmark's task mix with train text only (the eval prompts
     are never read)."""
-    from treespec.distill.corpus import read_prompts as shuffled_prompts
-
-    seen = {r["id"] for r in shuffled_prompts(TRAIN, seed=1)[:HEAD_ROWS_SEED1]}
-    pool = [r for r in shuffled_prompts(TRAIN, seed=0)[HEAD_ROWS_SEED0:] if r["id"] not in seen]
+    pool = _held_out_pool()
     if mix == "train":
         return pool[-count:]
     if mix != "specbench":
@@ -208,8 +228,13 @@ def main(argv=None) -> int:
                     help="with --calib-continue: count only the generated positions (the prompt is context)")
     ap.add_argument("--calib-depths", type=int, default=6,
                     help="acceptance rows per depth for a draft head (deeper nodes use the last row)")
+    ap.add_argument("--eval-prompts", choices=["specbench", "heldout"], default="specbench",
+                    help="measure on Spec-Bench (default) or on held-out train rows in Spec-Bench's task mix, "
+                         "disjoint from the calibration rows (needs --calib-held-out --calib-mix specbench)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.eval_prompts == "heldout" and not (args.calib_held_out and args.calib_mix == "specbench"):
+        ap.error("--eval-prompts heldout needs --calib-held-out --calib-mix specbench (disjoint rows)")
     if args.calib_generated_only and not args.calib_continue:
         ap.error("--calib-generated-only needs --calib-continue N (generated tokens to score)")
     if not 0 <= args.calib_continue < args.calib_max_len:
@@ -221,7 +246,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    rows = load_prompts(args.per_subtask)
+    rows = (load_prompts(args.per_subtask) if args.eval_prompts == "specbench"
+            else held_out_eval_rows(args.per_subtask, args.calib_prompts))
 
     if args.tiny:
         from treespec.models.tiny import tiny_model
@@ -302,7 +328,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"commit": commit, "machine": machine_info(), "target": target_name, "draft": draft_name,
             "dtype": args.dtype, "settings": vars(args), "prompts": [r["id"] for r in rows],
-            "prompt_subset": f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)",
+            "prompt_subset": (f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)"
+                              if args.eval_prompts == "specbench" else
+                              f"{args.per_subtask} held-out train rows per Spec-Bench subtask kind, disjoint "
+                              f"from the calibration rows"),
             "sequoia_acc": {str(k): v for k, v in accs.items()}}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [f"# Tree builders, commit {commit}", "",
@@ -318,7 +347,7 @@ def main(argv=None) -> int:
                      f"{r['verify_s']:.2f} | {r['other_s']:.2f} |")
     seq = [r for r in results if r["builder"] == "sequoia"]
     if seq:
-        lines += ["", "Sequoia: measured tau on the eval prompts vs tau predicted from the train-prompt calibration "
+        lines += ["", "Sequoia: measured tau on the measured prompts vs tau predicted from the train-prompt calibration "
                   "(rows per depth for a head; the last column: the depth-1 row alone, classic Sequoia)", "",
                   "| T | budget | measured | predicted | error | predicted (depth-1 row only) |", "|---|---|---|---|---|---|"]
         for r in seq:
