@@ -86,8 +86,28 @@ def _versions() -> dict[str, str]:
     return info
 
 
+def machine_speed_ms() -> float:
+    """Median ms of a fixed numpy workload (sort, cumsum and product of 262,144 floats).
+
+    This VM's speed drifts by up to ~40% over minutes (measured: 3.6 to 5.1 ms for this very
+    workload with nothing else running); the index is printed before and after the run so a
+    table can be read against the machine's state at the time.
+    """
+    x = np.random.default_rng(0).random(262_144)
+    times = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        np.sort(x)
+        np.cumsum(x)
+        _ = x * x
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
 def run(vocab: int, repeats: int, budget_s: float) -> dict:
     pairs = make_pairs(vocab)
+    speed_before = machine_speed_ms()
+    print(f"machine speed index (lower is faster): {speed_before:.2f} ms", flush=True)
     rows = []
     for dist, (p, q) in pairs.items():
         for sampling, n in CASES:
@@ -107,7 +127,10 @@ def run(vocab: int, repeats: int, budget_s: float) -> dict:
             rows.append(row)
             print(f"{dist:>10} {sampling:>20} n={n:<2} {row['median_ms']:9.1f} ms  alpha*={res.value:.6f}  "
                   f"|H|={res.subset.size:<7} exact evals={res.exact_evaluations}", flush=True)
+    speed_after = machine_speed_ms()
+    print(f"machine speed index after: {speed_after:.2f} ms", flush=True)
     return {
+        "machine_speed_index_ms": {"before": speed_before, "after": speed_after},
         "benchmark": "ot_bounds.optimal_acceptance",
         "vocab_size": vocab,
         "commit": _git_head(),
@@ -129,6 +152,12 @@ def to_markdown(result: dict) -> str:
         f"- versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
         f"- date (UTC): {result['date']}",
         f"- timing: median of up to {result['repeats']} runs after one warm-up, single process; target {result['target_ms']:.0f} ms",
+    ]
+    if "machine_speed_index_ms" in result:
+        idx = result["machine_speed_index_ms"]
+        lines.append(f"- machine speed index (median ms of a fixed numpy workload, lower is faster; this VM drifts "
+                     f"by up to ~40%): {idx['before']:.2f} before, {idx['after']:.2f} after")
+    lines += [
         "",
         "| distribution | sampling | n | median ms | alpha* | \\|H\\| | exact evals |",
         "|---|---|---|---:|---:|---:|---:|",

@@ -18,6 +18,7 @@ prob_all_drafts_in, draft_tuple_law      draft laws
 expected_accepted_length,
 tree_acceptance_upper_bound,
 optimal_node_acceptance                  tree level (Sequoia's F(T) and its OT bound)
+release_workspace                        free this thread's reusable scratch buffers
 
 Submodules not imported here (they need torch / treespec):
 ot_bounds.scoring   monte_carlo_acceptance, rule_acceptance: treespec's own
@@ -54,6 +55,7 @@ from .verifiers import (
     verifier_outcome,
 )
 from ._validation import SAMPLINGS
+from ._workspace import release_workspace
 
 __all__ = [
     "SAMPLINGS",
@@ -76,6 +78,7 @@ __all__ = [
     "optimal_subset",
     "positional_acceptance",
     "prob_all_drafts_in",
+    "release_workspace",
     "tree_acceptance_upper_bound",
     "verifier_acceptance",
     "verifier_outcome",

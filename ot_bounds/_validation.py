@@ -54,11 +54,13 @@ def check_distribution(x: ArrayLike, name: str) -> NDArray[np.float64]:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         raise ValueError(f"{name} must be non-empty")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} contains NaN or infinite entries")
-    if np.any(arr < 0):
-        raise ValueError(f"{name} has negative entries (min {arr.min():.3g})")
+    # two reductions, no temporaries (a NaN or inf entry makes the sum non-finite)
     total = float(arr.sum())
+    if not np.isfinite(total) and not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains NaN or infinite entries")
+    lowest = float(arr.min())
+    if lowest < 0:
+        raise ValueError(f"{name} has negative entries (min {lowest:.3g})")
     if abs(total - 1.0) > SUM_TOLERANCE:
         raise ValueError(
             f"{name} is not normalised: sums to {total:.10g} (tolerance {SUM_TOLERANCE:g})"

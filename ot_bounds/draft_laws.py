@@ -65,12 +65,14 @@ Sun et al., "SpecHub: Provable Acceleration to Multi-Draft Speculative Decoding"
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._validation import check_distribution, check_n
+from ._workspace import workspace
 
 #: Every tuple law understood by this module (the first three are the public
 #: ``sampling`` values of :func:`ot_bounds.optimal_acceptance`).
@@ -106,11 +108,11 @@ class TupleLaw:
     vocab_size: int
 
 
-def top_indices(q: NDArray[np.float64], k: int) -> NDArray[np.int64]:
+def top_indices(q: NDArray[np.float64], k: int, scratch: NDArray[np.float64] | None = None) -> NDArray[np.int64]:
     """Indices of the ``k`` largest entries of ``q``, sorted by (-q, index).
 
-    O(V + k log k) through ``argpartition``; ties are broken by lower index so
-    the result is deterministic.
+    O(V + k log k) through a partition (in ``scratch``, shape like ``q``, when given: no fresh
+    full-size array); ties are broken by lower index so the result is deterministic.
 
     Examples
     --------
@@ -122,7 +124,12 @@ def top_indices(q: NDArray[np.float64], k: int) -> NDArray[np.int64]:
     if k == 0:
         return np.zeros(0, dtype=np.int64)
     if k < v:
-        kth = np.partition(q, v - k)[v - k]  # k-th largest value
+        if scratch is None:
+            kth = np.partition(q, v - k)[v - k]  # k-th largest value
+        else:
+            scratch[:] = q
+            scratch.partition(v - k)
+            kth = scratch[v - k]
         cand = np.flatnonzero(q >= kth)  # all ties at the boundary included
     else:
         cand = np.arange(v)
@@ -130,8 +137,8 @@ def top_indices(q: NDArray[np.float64], k: int) -> NDArray[np.int64]:
     return cand[order[:k]].astype(np.int64)
 
 
-def one_minus(x: NDArray[np.float64], total: float | None = None, outside: float | None = None
-              ) -> NDArray[np.float64]:
+def one_minus(x: NDArray[np.float64], total: float | None = None, outside: float | None = None,
+              out: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
     """``1 - x`` computed as the mass of the *other* entries (accurate when x ~ 1).
 
     ``x`` is a subset of a probability vector; the mass of the entries not in
@@ -146,13 +153,13 @@ def one_minus(x: NDArray[np.float64], total: float | None = None, outside: float
     >>> one_minus(np.array([1.0, 1e-300]))
     array([1.e-300, 1.e+000])
     """
-    out = 1.0 - x
+    out = np.subtract(1.0, x, out=out)
     if x.size:
         i = int(np.argmax(x))
         if x[i] > 0.5:
             if outside is None:
                 outside = 0.0 if total is None else max(float(total) - float(x.sum()), 0.0)
-            out[i] = float(np.sum(np.delete(x, i))) + float(outside)
+            out[i] = float(x[:i].sum()) + float(x[i + 1 :].sum()) + float(outside)
     return out
 
 
@@ -263,7 +270,8 @@ def _light_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: 
         e = _elementary_symmetric(power, m)
         log_xmax = np.log(safe)
         for b in range(1, m):
-            val = np.exp(-s * tt + b * log_xmax) * e[b]
+            with np.errstate(divide="ignore"):  # e_b = 0 gives log -inf and P = 0
+                val = np.exp(-s * tt + b * log_xmax + np.log(e[b]))  # one exponent: no inf * 0
             out[lo : lo + chunk, b] = np.where(xmax > 0, val, 0.0)
     return out
 
@@ -286,6 +294,27 @@ def _stirling2_table(m_max: int) -> NDArray[np.float64]:
 _M_TINY = 16
 _TINY_COEF = _stirling2_table(_M_TINY)
 _TINY_REACH = 0.25  # tiny tokens satisfy q * t <= 0.25 on every node
+# the tiny tokens' moments are summed to a low order over the vocabulary and to a higher one
+# over the few tokens with q t above one of these on some node (the first that leaves few)
+_SPLIT_REACHES = (2.0**-12, 2.0**-9, 2.0**-6)
+
+
+def _moment_order(x_max: float, n: int) -> int:
+    """Moments (orders 1..K) that represent tokens with ``q t <= x_max`` to double precision.
+
+    The j-th power sum needs ``expm1(x)^j = x^j ((e^x - 1) / x)^j``, whose series has
+    coefficients at most those of ``e^(j x)``, so truncating at total order ``K`` leaves a
+    relative error below ``(j x)^R / R! e^(j x)`` with ``R = K - j + 1``; ``j <= n - 1``.
+    Returns the least ``K`` that makes this ``<= 2^-56``, at most 16 (the order that
+    :data:`_TINY_REACH` was chosen for).
+    """
+    j = max(n - 1, 1)
+    term = 1.0
+    for r in range(1, _M_TINY - j + 2):
+        term *= j * x_max / r
+        if term * math.exp(j * x_max) <= 2.0**-56:
+            return j - 1 + r
+    return _M_TINY
 
 
 def _tiny_count_probs(moments: NDArray[np.float64], t: NDArray[np.float64], m: int) -> NDArray[np.float64]:
@@ -476,6 +505,9 @@ class WorPrefixQuadrature:
     """
 
     block = 128
+    # first panel [0, t_start]: every rate in the integrand is <= 1 (masses of a distribution), so
+    # 16 Gauss-Legendre nodes resolve it to rounding; the panels then double up to t_end
+    t_start = 0.5
 
     def __init__(self, qs: NDArray[np.float64], outside: float, n: int, k_lo: int, k_hi: int,
                  cache: dict | None = None) -> None:
@@ -491,12 +523,12 @@ class WorPrefixQuadrature:
         r_lo = float(self.s_all[k_lo - 1] - _prefix_top_mass(qs, np.array([k_lo]), n - 1, top=self.top)[0])
         self.r_min = max(r_lo, 1e-3)
         t_end = ((n - 1) * np.log(self.k_hi + 1.0) + 40.0) / self.r_min
-        t_start = 1e-3
+        t_start = self.t_start
         n_panels = max(1, int(np.ceil(np.log2(t_end / t_start))))
         # the grid depends only on n_panels (its end t_start 2^n_panels >= t_end): shared through the cache
         if ("grid", n_panels) not in cache:
             cache[("grid", n_panels)] = self._grid(qs, n, t_start, n_panels)
-        self.nodes, self.weights, self.tiny, self.block_cum, self.big_pos, self.hist, self.tpow = \
+        self.nodes, self.weights, self.tiny, self.block_cum, self.big_pos, self.hist, self.tpow, self.k_all = \
             cache[("grid", n_panels)]
 
     @classmethod
@@ -509,27 +541,51 @@ class WorPrefixQuadrature:
         # block sums of the tiny moments: shape (blocks + 1, 17), cumulative
         b = cls.block
         nb = -(-qs.size // b)
-        x = np.zeros(nb * b)
-        x[: qs.size] = np.where(tiny, qs, 0.0)
-        x = x.reshape(nb, b)
+        ws = workspace()
+        x = ws.take("grid_x", nb * b)
+        x[qs.size :] = 0.0
+        np.multiply(qs, tiny, out=x[: qs.size])
+        x = x.reshape(nb, b)  # shape (blocks, b)
         sums = np.empty((nb, _M_TINY + 1))
-        sums[:, 0] = np.add.reduceat(np.concatenate((tiny, np.zeros(nb * b - qs.size, bool))),
-                                     np.arange(0, nb * b, b)) if nb else 0.0
-        acc = np.ones_like(x)
-        for j in range(1, _M_TINY + 1):
-            acc = acc * x
-            sums[:, j] = acc.sum(axis=1)
+        sums[:, 0] = 0.0  # order 0 (a count) never enters the power sums (coefficient 0)
+        # moments up to the order the largest tiny token needs (in place: memory-bound passes over
+        # the vocabulary), or to a lower order if only a few tokens need more (their higher
+        # moments are then summed on their own)
+        t_end = float(edges[-1])
+        k_all = _moment_order(float(x.max()) * t_end, n)
+        k_low, mid = k_all, None
+        for reach in _SPLIT_REACHES:  # the lowest order that leaves at most m/16 tokens above it
+            k = _moment_order(reach, n)
+            if k >= k_all:
+                break
+            above = np.flatnonzero(x.ravel() > reach / t_end)
+            if above.size <= qs.size // 16:
+                k_low, mid = k, above
+                break
+        sums[:, k_low + 1 :] = 0.0
+        acc = ws.take("grid_acc", nb * b).reshape(nb, b)
+        acc[:] = x
+        for j in range(1, k_low + 1):
+            np.add.reduce(acc, axis=1, out=sums[:, j])
+            if j < k_low:
+                acc *= x
+        if k_low < k_all:
+            x_mid, blk = qs[mid], mid // b
+            acc_mid = x_mid**k_low
+            for j in range(k_low + 1, k_all + 1):
+                acc_mid *= x_mid
+                sums[:, j] = np.bincount(blk, weights=acc_mid, minlength=nb)
         block_cum = np.concatenate((np.zeros((1, _M_TINY + 1)), np.cumsum(sums, axis=0)))
         # exact DP over the non-tiny tokens, state after each of them: shape (big + 1, M, n)
         big_pos = np.flatnonzero(~tiny)
         hist = np.zeros((big_pos.size + 1, nodes.size, n))
         hist[0, :, 0] = 1.0
-        for j, pos in enumerate(big_pos):
+        for j, pos in enumerate(big_pos):  # one small update per token (few: they are not tiny)
             y = -np.expm1(-qs[pos] * nodes)[:, None]
-            hist[j + 1] = hist[j] * (1.0 - y)
+            np.multiply(hist[j], 1.0 - y, out=hist[j + 1])
             hist[j + 1, :, 1:] += hist[j, :, :-1] * y
         tpow = nodes[None, :] ** np.arange(_M_TINY + 1)[:, None]  # shape (17, M)
-        return nodes, weights, tiny, block_cum, big_pos, hist, tpow
+        return nodes, weights, tiny, block_cum, big_pos, hist, tpow, k_all
 
     def _moments(self, ks: NDArray[np.int64]) -> NDArray[np.float64]:
         """Tiny moments of each prefix, shape (K, 17)."""
@@ -542,10 +598,9 @@ class WorPrefixQuadrature:
             ok = np.arange(b)[None, :] < rem[:, None]
             idx = np.minimum(idx, self.qs.size - 1)
             x = np.where(ok & self.tiny[idx], self.qs[idx], 0.0)
-            out[:, 0] += (ok & self.tiny[idx]).sum(axis=1)
             acc = np.ones_like(x)
-            for j in range(1, _M_TINY + 1):
-                acc = acc * x
+            for j in range(1, self.k_all + 1):  # the orders the block sums carry
+                acc *= x
                 out[:, j] += acc.sum(axis=1)
         return out
 
@@ -570,14 +625,18 @@ class WorPrefixQuadrature:
             return out
         kf, cf = ks[fast], c_k[fast]
         moments = self._moments(kf)  # shape (K, 17)
-        base = np.exp(-np.outer(moments[:, 1], self.nodes))  # shape (K, M)
-        power = [None] + [(moments * _TINY_COEF[j][None, :]) @ self.tpow for j in range(1, n)]
-        e = _elementary_symmetric(power, n)
-        tiny_cdf = np.cumsum(np.stack([base * e[b] for b in range(n)], axis=2), axis=2)  # shape (K, M, n)
+        base = np.exp(-np.outer(moments[:, 1], self.nodes))  # P(no tiny arrival), shape (K, M)
+        coef = moments[:, None, :] * _TINY_COEF[1:n][None, :, :]  # shape (K, n-1, 17)
+        power = (coef.reshape(-1, _M_TINY + 1) @ self.tpow).reshape(kf.size, n - 1, -1)  # shape (K, n-1, M)
+        e = _elementary_symmetric([None] + [power[:, j - 1] for j in range(1, n)], n)
         big = self.hist[np.searchsorted(self.big_pos, kf)]  # shape (K, M, n)
-        below = np.zeros(base.shape)  # P(N <= n-1), shape (K, M)
-        for a in range(n):
-            below += big[:, :, a] * tiny_cdf[:, :, n - 1 - a]
+        # P(N <= n-1) = sum_a P(big = a) P(tiny <= n-1-a), P(tiny <= b) = base (e_0 + ... + e_b)
+        below = big[:, :, n - 1].copy()  # shape (K, M)
+        e_cum = e[0]
+        for a in range(n - 2, -1, -1):
+            e_cum = e_cum + e[n - 1 - a]
+            below += big[:, :, a] * e_cum
+        below *= base
         below = np.clip(below, 0.0, 1.0)
         integral = (cf[:, None] * np.exp(-np.outer(cf, self.nodes)) * below) @ self.weights  # shape (K,)
         out[fast] = np.clip(1.0 - integral, 0.0, 1.0)

@@ -75,6 +75,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._validation import check_distributions, check_n
+from ._workspace import workspace
 from .draft_laws import (
     WorPrefixQuadrature,
     _prob_all_in,
@@ -120,39 +121,80 @@ class OptimalAcceptance:
     exact_evaluations: int = 0
 
 
-def _ratio_order(p: NDArray[np.float64], q: NDArray[np.float64], cap: float) -> NDArray[np.int64]:
-    """Tokens with q > 0 and p/q <= cap, sorted by p/q ascending.
+def _ratio_order(p: NDArray[np.float64], q: NDArray[np.float64], cap: float,
+                 find: NDArray[np.int64] | None = None) -> tuple[NDArray[np.int64], float, NDArray[np.int64] | None]:
+    """Tokens with q > 0 and p/q <= cap, sorted by p/q ascending, and the draft mass of the others.
 
     One sort of 64-bit integer keys instead of an argsort (several times faster on large
     vocabularies): a non-negative float's bit pattern orders like the float, so the ratio's bits
-    with their ``b`` lowest mantissa bits replaced by the token's rank in ``pos`` (``2^b >= m``)
-    sort into ratio order. Ratios that agree to a relative ``2^-(52-b)`` (``~6e-11`` for
-    ``m = 262,144``) are treated as ties; making them exact ties moves ``p`` by at most that
-    fraction in L1, and ``alpha*`` is 1-Lipschitz in ``p`` (L1), so the optimum over these
-    prefixes is within ``2^-(51-b)`` of the exact one (tie order is irrelevant: module docs).
+    with their ``b`` lowest mantissa bits replaced by the token's index (``2^b >= V``) sort into
+    ratio order, and the low bits of the sorted keys are the order itself (no gather). Tokens
+    left out (ratio above ``cap``, ``q = 0``) sort last. Ratios that agree to a relative
+    ``2^-(52-b)`` (``~6e-11`` for ``V = 262,144``) are treated as ties; making them exact ties
+    moves ``p`` by at most that fraction in L1, and ``alpha*`` is 1-Lipschitz in ``p`` (L1), so
+    the optimum over these prefixes is within ``2^-(51-b)`` of the exact one (tie order is
+    irrelevant: module docs).
+
+    Returns
+    -------
+    order : ndarray of int64, shape (m,)
+        A view of this thread's workspace (valid until the next call).
+    outside : float
+        ``q`` summed over the tokens not in ``order`` (directly, not as ``1 - q(order)``, which
+        would lose every digit of a mass ~1e-12).
+    found : ndarray of int64 or None
+        With ``find`` (token ids): the position of each in ``order``, -1 where it is not there
+        (a binary search of its key in the sorted keys).
     """
-    pos = np.flatnonzero(q > 0)
-    with np.errstate(over="ignore"):  # subnormal q: ratio inf, sorted last
-        ratio = p[pos] / q[pos]
-    keep = ratio <= cap
-    pos, ratio = pos[keep], ratio[keep]
-    bits = max(int(pos.size - 1).bit_length(), 1)
-    if bits > 24:  # too many tokens to give up that many mantissa bits: a plain argsort
-        return pos[np.argsort(ratio)]
-    key = ratio.view(np.int64) >> bits << bits  # ratio >= 0: the int64 view is monotone in it
-    key |= np.arange(pos.size, dtype=np.int64)
+    v = q.size
+    ws = workspace()
+    bits = max(int(v - 1).bit_length(), 1)
+    ratio = ws.take("ratio", v)  # shape (V,); becomes the keys, then the order
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # subnormal q: ratio inf
+        np.divide(p, q, out=ratio)
+    ratio += 0.0  # -0.0 (p = -0.0) -> +0.0
+    if bits > 24 or not np.isfinite(cap):  # rare: a plain argsort over the tokens kept
+        keep = (ratio <= cap) & (q > 0)
+        pos = np.flatnonzero(keep)
+        order = pos[np.argsort(ratio[pos], kind="stable")]
+        found = None
+        if find is not None:
+            inverse = np.full(v, -1, dtype=np.int64)
+            inverse[order] = np.arange(order.size)
+            found = inverse[find]
+        return order, float(q[~keep].sum()), found
+    m = int(np.count_nonzero(np.less_equal(ratio, cap, out=ws.take("keep", v, bool))))
+    # as unsigned integers, non-negative floats order by value and every NaN (0/0, whatever its
+    # sign bit) after +inf: the tokens left out (ratio > cap, q = 0) sort after the m kept ones
+    key = ratio.view(np.uint64)
+    key >>= np.uint64(bits)
+    key <<= np.uint64(bits)
+    key |= ws.arange(v).view(np.uint64)
     key.sort()
-    return pos[key & ((1 << bits) - 1)]
+    found = None
+    if find is not None:  # the same key, rebuilt for these tokens only, located by binary search
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            k_find = (p[find] / q[find] + 0.0).view(np.uint64) >> np.uint64(bits) << np.uint64(bits)
+        k_find |= find.astype(np.uint64)
+        at = np.searchsorted(key[:m], k_find)
+        hit = (at < m) & (key[np.minimum(at, m - 1)] == k_find) if m else np.zeros(find.size, bool)
+        found = np.where(hit, at, -1).astype(np.int64)
+    key &= np.uint64((1 << bits) - 1)
+    order = key.view(np.int64)
+    outside = float(q[order[m:]].sum()) if m < v else 0.0
+    return order[:m], outside, found
 
 
 def _finish(
     p: NDArray[np.float64], q: NDArray[np.float64], n: int, sampling: str,
-    subset: NDArray[np.int64], evals: int = 0, q_all_in: float | None = None,
+    subset: NDArray[np.int64], evals: int = 0, q_all_in: float | None = None, p_mass: float | None = None,
 ) -> OptimalAcceptance:
-    mask = np.zeros(p.size, dtype=bool)
+    mask = workspace().take("finish_mask", p.size, bool)
+    mask.fill(False)
     mask[subset] = True
-    subset = np.flatnonzero(mask).astype(np.int64)  # sorted without a sort
-    p_mass = float(p[mask].sum())
+    subset = np.flatnonzero(mask).astype(np.int64, copy=False)  # sorted without a sort (fresh: returned)
+    if p_mass is None:
+        p_mass = float(p[mask].sum())
     if q_all_in is None:
         q_all_in = _prob_all_in(q, mask, n, sampling)
     value = 1.0 + p_mass - q_all_in
@@ -170,52 +212,67 @@ def _best_prefix(g: NDArray[np.float64]) -> int:
 
 
 def _iid(p: NDArray[np.float64], q: NDArray[np.float64], n: int) -> OptimalAcceptance:
-    order = _ratio_order(p, q, float(n))
-    big_p = np.cumsum(p[order])  # shape (m,)
-    big_q = np.minimum(np.cumsum(q[order]), 1.0)
-    k = _best_prefix(big_p - big_q**n)
-    return _finish(p, q, n, "iid", order[:k], q_all_in=float(big_q[k - 1] ** n) if k else None)
+    order, _, _ = _ratio_order(p, q, float(n))
+    ws = workspace()
+    m = order.size
+    big_p = np.cumsum(np.take(p, order, out=ws.take("tmp", m)), out=ws.take("big_p", m))  # shape (m,)
+    big_q = np.cumsum(np.take(q, order, out=ws.take("tmp", m)), out=ws.take("big_q", m))
+    np.minimum(big_q, 1.0, out=big_q)
+    g = np.power(big_q, n, out=ws.take("tmp", m))
+    np.subtract(big_p, g, out=g)
+    k = _best_prefix(g)
+    return _finish(p, q, n, "iid", order[:k], q_all_in=float(big_q[k - 1] ** n) if k else None,
+                   p_mass=float(big_p[k - 1]) if k else None)
 
 
 def _wor_q2(qs: NDArray[np.float64], outside: float) -> tuple[NDArray[np.float64], tuple]:
     """Exact ``Q_2`` of every prefix of ``qs`` and the prefix pieces the sharper bound reuses.
 
+    All returned arrays are views of this thread's workspace (valid until the next call).
+
     Returns ``q2`` (shape (m,)) and ``(w, s_raw, s, c, s1)``: ``w = q / (1 - q)``, the prefix masses
-    (raw and clipped to 1), the mass ``c`` after each prefix (summed from the small end: ``1 - s``
+    (``s_raw`` and ``s`` are one array, clipped to 1 against rounding), the mass ``c`` after each prefix (summed from the small end: ``1 - s``
     would lose every digit of ``c ~ 1e-12``) and the prefix sums of ``w``.
     """
+    m = qs.size
+    ws = workspace()  # full-length intermediates, in place: few passes, no fresh pages
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        w = qs / one_minus(qs, outside=outside)
-        s_raw = np.cumsum(qs)
-        s = np.minimum(s_raw, 1.0)
-        c = np.empty_like(qs)  # c[k] = sum of qs[k + 1:] + outside
-        c[:-1] = np.cumsum(qs[:0:-1])[::-1]
-        c[-1:] = 0.0
-        c += outside
-        s1 = np.cumsum(w)
-        q2 = np.where(c > 0, np.maximum(s - c * s1, 0.0), s)
+        w = one_minus(qs, outside=outside, out=ws.take("w", m))
+        np.divide(qs, w, out=w)
+    s_raw = np.cumsum(qs, out=ws.take("s_raw", m))
+    s = s_raw  # clipped to 1 (only rounding can exceed it); non-decreasing, so only a tail
+    s[np.searchsorted(s_raw, 1.0, side="right"):] = 1.0
+    after = ws.take("c", m + 1)  # after[k] = sum of qs[k:], summed from the small end
+    after[m] = 0.0
+    np.cumsum(qs[::-1], out=after[m - 1 :: -1] if m else after[:0])
+    c = after[1:]  # c[k] = sum of qs[k + 1:] + outside (non-increasing)
+    c += outside
+    s1 = np.cumsum(w, out=ws.take("s1", m))
+    q2 = ws.take("q2", m)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.multiply(c, s1, out=q2)
+    np.subtract(s, q2, out=q2)
+    np.maximum(q2, 0.0, out=q2)
+    zero = m - int(np.searchsorted(c[::-1], 0.0, side="right"))  # c == 0 from here on
+    q2[zero:] = s[zero:]
     return q2, (w, s_raw, s, c, s1)
 
 
 def _wor_sharp_bound(qs: NDArray[np.float64], n: int, pieces: tuple, q2: NDArray[np.float64],
-                     idx: NDArray[np.int64], m2: float) -> NDArray[np.float64]:
+                     idx: NDArray[np.int64], m2: float, sums: tuple | None = None) -> NDArray[np.float64]:
     """A valid upper bound on ``Q_n`` (n >= 3) at the prefixes of sorted indices ``idx`` (0-based).
 
     ``Q_2`` times the chance that each later draw stays in ``H``: a draw made when ``m`` is drafted
     stays with probability ``f(m) = (s - m) / (1 - m)``, decreasing in ``m``; Jensen's inequality at
     the conditional mean ``mu`` of the mass drafted by the first two draws (closed form from three
     prefix sums) applies where ``f^(n-2)`` is concave on ``[0, M_2]`` (``(n-3) c <= 2 (s - M_2)``,
-    ``M_2`` the two largest masses), else ``f(mu) s^(n-3)``. Prefix sums are taken over
-    ``[idx[0], idx[-1]]`` only (plus one fused reduction for everything before).
+    ``M_2`` the two largest masses), else ``f(mu) s^(n-3)``. ``sums``: the three prefix sums
+    ``sum w q``, ``sum w q^2``, ``sum q^2`` at ``idx`` if already known (:class:`_BlockPrefix`).
     """
     w, _, s, c, s1 = pieces
-    lo, hi = int(idx[0]), int(idx[-1]) + 1
-    at = idx - lo
-    qseg, wq = qs[lo:hi], w[lo:hi] * qs[lo:hi]
-    # einsum, not np.dot: a BLAS dot may start threads for one short reduction
-    s2 = float(np.einsum("i,i->", w[:lo], qs[:lo])) + np.cumsum(wq)[at]
-    s3 = float(np.einsum("i,i,i->", w[:lo], qs[:lo], qs[:lo])) + np.cumsum(wq * qseg)[at]
-    w2 = float(np.einsum("i,i->", qs[:lo], qs[:lo])) + np.cumsum(qseg * qseg)[at]
+    if sums is None:
+        sums = _BlockPrefix(_sharp_terms(qs, w, int(idx[-1]) + 1)).at(idx)
+    s2, s3, w2 = sums
     si, ci, q2i, s1i = s[idx], c[idx], q2[idx], s1[idx]
     # E[m_2 ; first two draws in H] with m_2 the drafted mass after two draws
     em2 = si * s2 - 2.0 * s3 + s1i * w2
@@ -226,6 +283,49 @@ def _wor_sharp_bound(qs: NDArray[np.float64], n: int, pieces: tuple, q2: NDArray
     concave = (n - 3) * ci <= 2.0 * (si - m2)
     ub = np.where(concave, q2i * third ** (n - 2), q2i * third * si ** (n - 3))
     return np.minimum(ub + 1e-12, 1.0)
+
+
+def _sharp_terms(qs: NDArray[np.float64], w: NDArray[np.float64], hi: int,
+                 out: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
+    """Summands of the sharp bound's prefix sums over ``[0, hi)``: ``w q``, ``w q^2``, ``q^2``,
+    shape (3, hi) (in ``out``, shape (3 * hi,), when given)."""
+    terms = (np.empty(3 * hi) if out is None else out[: 3 * hi]).reshape(3, hi)
+    np.multiply(w[:hi], qs[:hi], out=terms[0])
+    np.multiply(terms[0], qs[:hi], out=terms[1])
+    np.multiply(qs[:hi], qs[:hi], out=terms[2])
+    return terms
+
+
+class _BlockPrefix:
+    """Prefix sums of a few equally long arrays at sorted positions, without a full cumsum.
+
+    Block totals (a vectorised reduction) and their running sum give every block boundary; a
+    position inside a block adds a cumsum over its block only, so a sparse set of positions
+    costs ``O(len + blocks touched * block)`` and block ends cost ``O(len)`` in all.
+    """
+
+    def __init__(self, terms: NDArray[np.float64], block: int = 256) -> None:
+        n_terms, size = terms.shape
+        nb = size // block
+        self.block, self.size, self.terms = block, size, terms  # terms: shape (T, size)
+        self.before = np.zeros((n_terms, nb + 1 + (size > nb * block)))  # sums over all blocks before b
+        np.add.reduce(terms[:, : nb * block].reshape(n_terms, nb, block), axis=2, out=self.before[:, 1 : nb + 1])
+        if size > nb * block:  # a last, shorter block
+            self.before[:, -1] = terms[:, nb * block :].sum(axis=1)
+        np.cumsum(self.before, axis=1, out=self.before)
+
+    def at(self, idx: NDArray[np.int64]) -> NDArray[np.float64]:
+        """``sum(terms[i][: k + 1])`` for each ``k`` in ``idx`` (sorted, < size): shape (T, K)."""
+        b, r = np.divmod(idx, self.block)
+        new = np.concatenate(([True], b[1:] != b[:-1]))  # idx sorted: each touched block once
+        cols = np.minimum(b[new][:, None] * self.block + np.arange(self.block), self.size - 1)  # (U, block)
+        inside = np.cumsum(self.terms[:, cols], axis=2)  # shape (T, U, block); past size: unused
+        return self.before[:, b] + inside[:, np.cumsum(new) - 1, r]
+
+    def at_block_ends(self) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+        """Last position of every block and the sums there: shapes (nb,), (T, nb)."""
+        ends = np.minimum(np.arange(1, self.before.shape[1]) * self.block, self.size) - 1
+        return ends, self.before[:, 1:]
 
 
 def _wor_upper_bound(qs: NDArray[np.float64], n: int, outside: float = 0.0,
@@ -262,19 +362,25 @@ def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int)
     if n_eff == 1:  # a single draft (or a point-mass q): sum min(p, q)
         return _finish(p, q, n, "without_replacement", np.flatnonzero(p < q))
     # P(a in first n) <= n q_a / (1 - mass of the n-1 largest other tokens)
-    m_top = float(q[top_indices(q, n_eff - 1)].sum())
+    ws = workspace()
+    # the 512 largest q (one partition) give both the cap and, located in the order, the
+    # positions of the 256 largest entries of qs that the branch and bound needs
+    top_q = top_indices(q, 512, scratch=ws.take("tmp", q.size))  # sorted by -q
+    m_top = float(q[top_q[: n_eff - 1]].sum())
     cap = n_eff / (1.0 - m_top) if m_top < 1.0 else np.inf
-    order = _ratio_order(p, q, cap)
-    qs = q[order]
-    big_p = np.cumsum(p[order])
-    rest = np.ones(q.size, dtype=bool)
-    rest[order] = False
-    outside = float(q[rest].sum())  # mass of tokens left out of the order, summed directly
+    order, outside, top_pos = _ratio_order(p, q, cap, find=top_q)
+    m = order.size
+    qs = np.take(q, order, out=ws.take("qs", m))  # shape (m,)
+    big_p = np.cumsum(np.take(p, order, out=ws.take("tmp", m)), out=ws.take("big_p", m))
     if n_eff == 2:
         q2, _ = _wor_q2(qs, outside)
-        k = _best_prefix(big_p - q2)
-        return _finish(p, q, n, "without_replacement", order[:k], q_all_in=float(q2[k - 1]) if k else None)
-    return _wor_branch_and_bound(p, q, n, n_eff, order, qs, big_p, outside)
+        k = _best_prefix(np.subtract(big_p, q2, out=ws.take("tmp", m)))
+        return _finish(p, q, n, "without_replacement", order[:k], q_all_in=float(q2[k - 1]) if k else None,
+                       p_mass=float(big_p[k - 1]) if k else None)
+    top = top_pos[top_pos >= 0][:256]  # by -q: the largest entries of qs, if 256 (or all m) of them
+    if top.size < min(256, m):
+        top = top_indices(qs, 256, scratch=ws.take("tmp", m))
+    return _wor_branch_and_bound(p, q, n, n_eff, order, qs, big_p, outside, cap, np.sort(top))
 
 
 def _smallest(values: NDArray[np.float64], k: int) -> NDArray[np.int64]:
@@ -286,33 +392,93 @@ def _smallest(values: NDArray[np.float64], k: int) -> NDArray[np.int64]:
 
 def _wor_branch_and_bound(
     p: NDArray[np.float64], q: NDArray[np.float64], n: int, n_eff: int, order: NDArray[np.int64],
-    qs: NDArray[np.float64], big_p: NDArray[np.float64], outside: float, batch: int = 64,
+    qs: NDArray[np.float64], big_p: NDArray[np.float64], outside: float, cap: float, top: NDArray[np.int64],
+    batch: int = 64,
 ) -> OptimalAcceptance:
     """Exact minimum of ``P_k - Q_k`` over prefixes ``k`` (``n >= 3`` without replacement).
 
     Valid upper bounds on ``Q_k`` give a lower bound on the objective of every unevaluated prefix:
     first the cheap ``Q_2 s^(n-2)`` (each later draw stays in ``H`` with probability at most
     ``s``); after the first exact round, on the prefixes that survive it, the sharper Jensen bound
-    (:func:`_wor_sharp_bound`); and, because prefixes are nested and ``Q`` is monotone under
-    inclusion, the exact ``Q`` of the nearest evaluated prefix at or after ``k``. The first round
-    evaluates (one batched quadrature) the ``batch`` prefixes with the lowest cheap bound; each
-    later round up to ``batch`` survivors spread evenly over the ones still able to beat the best
-    exact value. It stops when no prefix can.  Index ``j`` is the prefix of length ``j + 1``.
+    (:func:`_wor_sharp_bound`, first once per block of 256 positions, then per candidate in the
+    blocks that survive); and the exact values of the nearest evaluated prefixes on either side
+    (``objective_lower_bound``: ``Q`` is monotone under inclusion, with a lower bound on how much
+    it grows towards the next evaluated prefix and an upper bound on how much it grew since the
+    previous one). The first round evaluates (one batched quadrature) the ``batch`` prefixes with
+    the lowest cheap bound; each later round up to ``batch`` survivors spread evenly over the ones
+    still able to beat the best exact value. It stops when no prefix can. Index ``j`` is the
+    prefix of length ``j + 1``; ``top``: positions of the 256 largest entries of ``qs``, sorted.
     """
     q2, pieces = _wor_q2(qs, outside)
     _, s_raw, s, c, _ = pieces
-    ub = np.minimum(q2 * s ** (n_eff - 2) + 1e-12, 1.0)  # cheap bound, shape (m,)
+    ws, m = workspace(), qs.size
+    ub = np.multiply(q2, s, out=ws.take("ub", m))  # cheap bound Q_2 s^(n-2) + rounding, shape (m,)
+    for _ in range(n_eff - 3):
+        ub *= s
+    ub += 1e-12
+    np.minimum(ub, 1.0, out=ub)
     best_val, best_k, best_q, evals = 0.0, 0, 0.0, 0
-    cand = np.flatnonzero(big_p - ub < best_val - _TOL)
-    top = np.sort(top_indices(qs, 256))  # the 256 largest, by position (shared with the quadrature)
+    gap = np.subtract(big_p, ub, out=ws.take("gap", m))  # lower bound on the objective, shape (m,)
+    cand = np.flatnonzero(np.less(gap, best_val - _TOL, out=ws.take("mask_m", m, bool)))
     cache: dict = {"base": (s_raw, c, top)}
     m2 = float(np.sort(qs[top])[::-1][:2].sum())
     ev_idx = np.zeros(0, dtype=np.int64)  # evaluated prefixes, sorted
-    ev_q = np.zeros(0)
+    ev_q = np.zeros(0)  # their exact Q_n
+
+    def objective_lower_bound(cand: NDArray[np.int64]) -> NDArray[np.float64]:
+        """Lower bound on ``P_k - Q_k`` for sorted, unevaluated candidates.
+
+        Besides ``ub``, two bounds from the exact values: from the nearest evaluated prefix
+        ``j > k``, ``Q_k <= Q_j - q(H_j - H_k) L_k``, since "all drafts in ``H_j``" contains
+        "first draw in ``H_j - H_k``, the other ``n - 1`` in ``H_k``", of probability at least
+        ``q(H_j - H_k) Q_{n-1}(H_k)`` (after a first draw outside ``H_k``, staying in ``H_k`` only
+        gets easier), and ``Q_{n-1}(H_k) >= L_k``: ``Q_n`` of the nearest evaluated ``i < k``
+        (monotone), or ``Q_2(H_k)`` itself when ``n = 3``. From the nearest evaluated ``i < k``,
+        ``Q_k <= Q_i + cap q(H_k - H_i)``: the chance that a draft lands in ``H_k - H_i`` (union
+        bound over the draws, each made with at most the ``n - 1`` largest masses removed).
+        """
+        q_up = ub[cand]  # a copy, shape (K,)
+        q_after = np.minimum.accumulate(ev_q[::-1])[::-1]  # least exact Q at or after each evaluated prefix
+        lo, hi = np.searchsorted(cand, (ev_idx[0], ev_idx[-1])).tolist()
+        if lo:  # before every evaluated prefix: the successor bound only
+            seg = cand[:lo]
+            gain = (s_raw[ev_idx[0]] - s_raw[seg]) * q2[seg] * (1.0 - 1e-9) if n_eff == 3 else 0.0
+            np.minimum(q_up[:lo], q_after[0] - gain, out=q_up[:lo])
+        if hi < cand.size and np.isfinite(cap):  # after every evaluated prefix: the predecessor bound only
+            seg = cand[hi:]
+            np.minimum(q_up[hi:], ev_q[-1] + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[ev_idx[-1]]), out=q_up[hi:])
+        if hi > lo:  # between two evaluated prefixes: both
+            seg = cand[lo:hi]
+            nxt = np.searchsorted(ev_idx, seg)  # nearest evaluated after (>= 1: seg is after ev_idx[0])
+            j, i = ev_idx[nxt], ev_idx[nxt - 1]
+            low = np.maximum.accumulate(ev_q)[nxt - 1]
+            if n_eff == 3:
+                low = np.maximum(low, q2[seg])
+            succ = q_after[nxt] - (s_raw[j] - s_raw[seg]) * low * (1.0 - 1e-9)
+            if np.isfinite(cap):
+                succ = np.minimum(succ, ev_q[nxt - 1] + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[i]))
+            np.minimum(q_up[lo:hi], succ, out=q_up[lo:hi])
+        return big_p[cand] - q_up
+
+    sharp_sums = _BlockPrefix(_sharp_terms(qs, pieces[0], m, out=ws.take("sharp_terms", 3 * m)))
+
+    def screen_blocks(cand: NDArray[np.int64]) -> NDArray[np.int64]:
+        """Drop whole blocks of positions whose every candidate is pruned: ``Q`` is monotone, so a
+        prefix in the block has ``Q_k <=`` the sharp bound at the block's last position and
+        ``P_k >=`` the ``P`` of the block's first candidate (one sharp bound per block)."""
+        ends, sums = sharp_sums.at_block_ends()
+        blk = cand // sharp_sums.block  # non-decreasing (cand is sorted)
+        opens = np.concatenate(([True], blk[1:] != blk[:-1]))  # first candidate of each block
+        used = blk[opens]
+        e = ends[used]
+        ub_end = np.minimum(ub[e], _wor_sharp_bound(qs, n_eff, pieces, q2, e, m2, tuple(sums[:, used])))
+        keep_block = big_p[cand[opens]] - ub_end < best_val - _TOL
+        return cand[keep_block[np.cumsum(opens) - 1]]
+
     quad, first = None, True
     while cand.size:
         if first:  # the most promising by the cheap bound, on their own grid
-            pick = cand[_smallest(big_p[cand] - ub[cand], batch)]
+            pick = cand[_smallest(gap[cand], batch)]
             q_all_in = WorPrefixQuadrature(qs, outside, n_eff, int(pick[0]) + 1, int(pick[-1]) + 1, cache)(pick + 1)
         else:  # an even spread over the survivors, on one grid sized for all of them
             pick = cand[np.unique(np.linspace(0, cand.size - 1, batch).round().astype(np.int64))]
@@ -325,23 +491,20 @@ def _wor_branch_and_bound(
         merged = np.concatenate((ev_idx, pick))
         keep = np.argsort(merged, kind="stable")
         ev_idx, ev_q = merged[keep], np.concatenate((ev_q, q_all_in))[keep]
-        ev_q = np.minimum.accumulate(ev_q[::-1])[::-1]  # Q_k <= Q_j for every evaluated j >= k: keep the least
-        nxt = np.searchsorted(ev_idx, cand)  # first evaluated prefix at or after each candidate
-        at = np.minimum(nxt, ev_idx.size - 1)
-        succ_q = np.where(nxt < ev_idx.size, ev_q[at], 1.0)
-        done = (nxt < ev_idx.size) & (ev_idx[at] == cand)
-        bound = big_p[cand] - np.minimum(ub[cand], succ_q)
-        cand = cand[~done & (bound < best_val - _TOL)]
-        if first and cand.size:  # sharpen the bound where it still matters, then prune again
-            ub[cand] = np.minimum(ub[cand], _wor_sharp_bound(qs, n_eff, pieces, q2, cand, m2))
-            nxt = np.searchsorted(ev_idx, cand)
-            at = np.minimum(nxt, ev_idx.size - 1)
-            succ_q = np.where(nxt < ev_idx.size, ev_q[at], 1.0)
-            cand = cand[big_p[cand] - np.minimum(ub[cand], succ_q) < best_val - _TOL]
+        unevaluated = np.ones(cand.size, dtype=bool)
+        unevaluated[np.searchsorted(cand, pick)] = False  # pick is a subset of cand (both sorted)
+        cand = cand[unevaluated]
+        if first and cand.size:  # sharpen the cheap bound where it still matters, then prune
+            cand = screen_blocks(cand)
             if cand.size:
-                quad = WorPrefixQuadrature(qs, outside, n_eff, int(cand[0]) + 1, int(cand[-1]) + 1, cache)
+                ub[cand] = np.minimum(ub[cand], _wor_sharp_bound(qs, n_eff, pieces, q2, cand, m2,
+                                                                 tuple(sharp_sums.at(cand))))
+        cand = cand[objective_lower_bound(cand) < best_val - _TOL]
+        if first and cand.size:
+            quad = WorPrefixQuadrature(qs, outside, n_eff, int(cand[0]) + 1, int(cand[-1]) + 1, cache)
         first = False
-    return _finish(p, q, n, "without_replacement", order[:best_k], evals, best_q if best_k else None)
+    return _finish(p, q, n, "without_replacement", order[:best_k], evals, best_q if best_k else None,
+                   p_mass=float(big_p[best_k - 1]) if best_k else None)
 
 
 def _greedy(p: NDArray[np.float64], q: NDArray[np.float64], n: int, sampling: str) -> OptimalAcceptance:

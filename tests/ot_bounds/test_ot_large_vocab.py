@@ -126,3 +126,73 @@ def test_iid_and_greedy_large_vocab_vs_reference() -> None:
     ref_g = p[top].sum() + np.minimum(np.delete(p, top), np.delete(rest, top)).sum()
     res = optimal_subset(p, q, 4, "greedy")
     assert res.value == pytest.approx(ref_g, abs=1e-12)
+
+
+@pytest.mark.parametrize("n, scale, seed", [(3, 6.0, 11), (4, 6.0, 12), (3, 3.0, 13), (4, 3.0, 14)])
+def test_wor_branch_and_bound_vs_every_prefix_v20000(n: int, scale: float, seed: int) -> None:
+    """Branch and bound vs the exact Q of every one of ~20,000 prefixes (V = 20,000).
+
+    Large enough for several bounding rounds, the two-class tiny-token moments and the bounds
+    that interpolate between evaluated prefixes; the reference evaluates all prefixes with the
+    prefix quadrature (itself checked against single evaluations below) and takes the minimum.
+    """
+    from ot_bounds.draft_laws import WorPrefixQuadrature
+
+    p, q = _lm_like(20_000, seed, scale=scale)
+    pos = np.flatnonzero(q > 0)
+    order = pos[np.argsort(p[pos] / q[pos], kind="stable")]
+    qs, big_p = q[order], np.cumsum(p[order])
+    ks = np.arange(n, order.size)  # shorter prefixes cannot hold n drafts; the full order has c = 0
+    quad = WorPrefixQuadrature(qs, 0.0, n, int(ks[0]), int(ks[-1]))
+    q_all = np.concatenate([quad(ks[i : i + 2000]) for i in range(0, ks.size, 2000)])
+    ref = 1.0 + min(0.0, float(np.min(big_p[ks - 1] - q_all)))
+    res = optimal_subset(p, q, n, "without_replacement")
+    assert res.value == pytest.approx(ref, abs=1e-10)
+    assert res.exact_evaluations < ks.size // 10  # the bounds did prune
+    assert res.value == pytest.approx(1.0 + p[res.subset].sum() - prob_all_drafts_in(q, res.subset, n,
+                                                                                       "without_replacement"), abs=1e-10)
+
+
+def test_prefix_quadrature_peaked_many_drafts() -> None:
+    """Peaked q on V = 20,000 (tiny, micro and exact-DP tokens all present), n up to 12: the shared
+    grid agrees with single evaluations, which stay finite (an overflow used to give NaN at n = 12)."""
+    from ot_bounds.draft_laws import WorPrefixQuadrature
+
+    p, q = _lm_like(20_000, 7, scale=6.0)
+    qs = q[np.argsort(p / q, kind="stable")]
+    for n in (3, 4, 8, 12):
+        ks = np.array([5_000, 10_000, 15_000, 19_990])
+        ref = np.array([wor_prob_all_in(qs[:k], float(qs[k:].sum()), n) for k in ks])
+        assert np.all(np.isfinite(ref))
+        np.testing.assert_allclose(WorPrefixQuadrature(qs, 0.0, n, int(ks[0]), int(ks[-1]))(ks), ref, atol=1e-12)
+
+
+def test_workspace_results_are_independent_across_calls_and_threads() -> None:
+    """The hot paths reuse per-thread scratch buffers: results must not alias them, and threads
+    computing at the same time must not share them (same answers as one after the other)."""
+    import threading
+
+    from ot_bounds import release_workspace
+
+    cases = [(_lm_like(20_000, s, scale=sc), n, law) for s, sc in ((21, 3.0), (22, 6.0))
+             for n, law in ((3, "without_replacement"), (4, "iid"))]
+    sequential = [optimal_subset(p, q, n, law) for (p, q), n, law in cases]
+    first_subset = sequential[0].subset.copy()
+    optimal_subset(*_lm_like(20_000, 99), 3, "without_replacement")  # another call reuses the buffers
+    np.testing.assert_array_equal(sequential[0].subset, first_subset)
+    results: dict[int, list] = {}
+
+    def worker(i: int) -> None:
+        results[i] = [optimal_subset(p, q, n, law) for (p, q), n, law in cases[i::2] * 3]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        for got, want in zip(results[i], sequential[i::2] * 3):
+            assert got.value == want.value
+            np.testing.assert_array_equal(got.subset, want.subset)
+    release_workspace()
+    assert optimal_subset(*cases[0][0], 3, "without_replacement").value == sequential[0].value
