@@ -580,10 +580,11 @@ class WorPrefixQuadrature:
         big_pos = np.flatnonzero(~tiny)
         hist = np.zeros((big_pos.size + 1, nodes.size, n))
         hist[0, :, 0] = 1.0
-        for j, pos in enumerate(big_pos):  # one small update per token (few: they are not tiny)
-            y = -np.expm1(-qs[pos] * nodes)[:, None]
-            np.multiply(hist[j], 1.0 - y, out=hist[j + 1])
-            hist[j + 1, :, 1:] += hist[j, :, :-1] * y
+        arrive = -np.expm1(-np.outer(qs[big_pos], nodes))[:, :, None]  # shape (big, M, 1)
+        stay = 1.0 - arrive
+        for j in range(big_pos.size):  # one small update per token (few: they are not tiny)
+            np.multiply(hist[j], stay[j], out=hist[j + 1])
+            hist[j + 1, :, 1:] += hist[j, :, :-1] * arrive[j]
         tpow = nodes[None, :] ** np.arange(_M_TINY + 1)[:, None]  # shape (17, M)
         return nodes, weights, tiny, block_cum, big_pos, hist, tpow, k_all
 
