@@ -172,7 +172,7 @@ def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torc
         t0 = time.perf_counter()
         remaining = config.max_new_tokens - len(result.token_ids)
         # propose
-        draft: Draft = drafter.propose(DraftState(seq, remaining - 1, target_hidden), sampling, generator)
+        draft: Draft = drafter.propose(DraftState(seq, remaining - 1, target_hidden, runner), sampling, generator)
         tree = draft.tree
         if config.verifier == "auto" and tree.law != law:  # a drafter mixing laws (e.g. n-gram + head)
             law = tree.law

@@ -42,6 +42,46 @@ def test_early_exit_draft_is_lossless_at_temperature_zero():
     assert generate(target, [5, 6, 7], drafter, cfg).token_ids == generate(target, [5, 6, 7], None, cfg).token_ids
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_early_exit_reads_the_target_cache(arch):
+    """Inside the engine the early exit reads its committed keys/values from the target's cache:
+    it never feeds a committed token itself, drafts the same trees and q as with its own cache,
+    and leaves the target's output unchanged (greedy identity; gemma3 has sliding-window layers)."""
+    from treespec.drafting.base import DraftState
+    from treespec.models.early_exit import SharedCacheRunner
+    from treespec.models.runner import ModelRunner
+
+    target = tiny_model(arch, 64, seed=0, num_layers=4, logit_scale=8)
+    drafter = ShapeDrafter(early_exit_model(target, 2), TreeShape.widths((2, 2, 1)), "without_replacement")
+    assert isinstance(drafter.runner, SharedCacheRunner)
+    fed = []
+    forward = drafter.runner.forward
+
+    def counting(tree, nodes, chain=None, **kw):
+        fed.append(0 if chain is None else chain.numel())
+        return forward(tree, nodes, chain, **kw)
+
+    drafter.runner.forward = counting
+    prompt = list(range(3, 40))
+    cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    assert generate(target, prompt, drafter, cfg).token_ids == generate(target, prompt, None, cfg).token_ids
+    assert fed and sum(fed) == 0 and drafter.runner.sharing  # no prefill, no catch-up: the target's cache
+    # one proposal with the target's cache vs one with the draft's own: same tree, same q
+    runner = ModelRunner(target)
+    runner.forward(None, None, torch.tensor(prompt[:-1]), need_logits=False)
+    sampling = SamplingConfig(1.0)
+    drafts = []
+    for shared in (True, False):
+        d = ShapeDrafter(early_exit_model(target, 2), TreeShape.widths((2, 2, 1)), "without_replacement")
+        d.begin(prompt)
+        state = DraftState(prompt, 8, None, runner if shared else None)
+        drafts.append(d.propose(state, sampling, torch.Generator().manual_seed(3)))
+        assert d.runner.sharing is shared
+    assert torch.equal(drafts[0].tree.tokens, drafts[1].tree.tokens)
+    torch.testing.assert_close(drafts[0].draft_probs, drafts[1].draft_probs, atol=1e-5, rtol=0)
+    assert runner.length == len(prompt) - 1 and not runner.slots  # the target's cache: untouched
+
+
 def test_bad_layer_count():
     target = tiny_model("llama", 64, num_layers=4)
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, 3\]"):

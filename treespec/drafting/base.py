@@ -43,11 +43,15 @@ class DraftState:
         the previous step (root and accepted nodes), in order; on the first step the prefill's
         (positions 0 .. len(prompt) - 2), or None for a one-token prompt. The last row always
         predicts the current root token.
+    target_runner : the engine's :class:`~treespec.models.runner.ModelRunner` of the target, holding
+        exactly the committed prefix (all but the root); read-only for drafters (an early-exit
+        draft reads its layers' keys/values from it), or None.
     """
 
     tokens: list[int]
     max_depth: int
     target_hidden: torch.Tensor | None = None
+    target_runner: object | None = None
 
 
 @runtime_checkable

@@ -3,8 +3,10 @@
 ``early_exit_model(target, num_layers)`` returns an ordinary Hugging Face causal LM that shares every
 parameter with the target (no copy, no training) but runs only the first ``num_layers`` decoder
 layers. Being a plain HF model it plugs into every drafter, tree builder and Hugging Face assisted
-generation. It has its own KV cache (the target's cache holds the same first-layer keys/values for
-committed tokens, but sharing them would couple the two caches' rollbacks; not done here).
+generation. Inside treespec's engine it shares the target's KV cache (:class:`SharedCacheRunner`):
+the target's first ``num_layers`` layers hold exactly the keys and values the draft would compute
+for the committed tokens (same weights, tokens and positions), so the draft never prefills the
+prompt or catches up on accepted tokens, and keeps no copy of the committed cache.
 
 Reference: Zhang et al. "Draft & Verify: Lossless Large Language Model Acceleration via
 Self-Speculative Decoding", arXiv 2309.08168; Liu et al. "Kangaroo: Lossless Self-Speculative
@@ -17,6 +19,12 @@ import copy
 
 import torch
 from transformers import PreTrainedModel
+
+from .kv_cache import TreeKVCache, TreeKVLayer
+from .runner import ModelRunner
+
+#: key under which an early-exit model records (target, num_layers) in its ``__dict__`` (not a submodule)
+EARLY_EXIT_KEY = "treespec_early_exit"
 
 
 def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
@@ -43,4 +51,60 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
         if module is not base:
             setattr(draft, name, module)
     draft.generation_config = copy.deepcopy(target.generation_config)
+    draft.__dict__[EARLY_EXIT_KEY] = (target, num_layers)  # plain attribute: not a registered submodule
     return draft.eval()
+
+
+class SharedCacheRunner(ModelRunner):
+    """Runner of an early-exit draft that reads its committed keys/values from the target's cache.
+
+    At the start of every proposal (:meth:`observe`, given the engine's target runner in
+    ``state.target_runner``) each of the draft's layers is pointed at the buffers of the same
+    target layer, filled up to the target's committed length; the draft then writes its tree
+    nodes after them, into the part of the buffers the target's verify pass overwrites next
+    (a buffer that has to grow becomes a private copy; the next proposal points at the target's
+    again). :meth:`commit` never moves entries into the shared, committed part: the target has
+    committed the accepted path itself. Without a target runner (another engine, HF assisted
+    generation) it is an ordinary :class:`ModelRunner` with its own cache.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        target, num_layers = model.__dict__[EARLY_EXIT_KEY]
+        super().__init__(model)
+        self.target_model, self.num_layers = target, num_layers
+        self.sharing = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.sharing = False
+
+    def observe(self, state) -> None:
+        """Adopt the target's committed cache (see the class docs); no-op without a usable one."""
+        target = getattr(state, "target_runner", None)
+        if target is None or target.model is not self.target_model or target.slots:
+            if self.sharing:  # cannot go back to a private cache mid-sequence: rebuild it from scratch
+                super().reset()
+            self.sharing = False
+            return
+        layers = target.cache.layers[: self.num_layers]
+        if len(layers) < self.num_layers or not all(layer.is_initialized for layer in layers):
+            return  # nothing committed yet (a one-token prompt): the draft's own cache serves this step
+        cache = TreeKVCache()
+        for src in layers:
+            dst = TreeKVLayer()
+            dst.dtype, dst.device, dst.is_initialized = src.dtype, src.device, True
+            dst._k, dst._v, dst._len = src._k, src._v, target.length
+            cache.layers.append(dst)
+        self.cache = cache
+        self.length = target.length
+        self.key_positions = target.key_positions[: target.length].clone()
+        self.slots, self.tree, self.sharing = [], None, True
+
+    def commit(self, nodes: list[int]) -> None:
+        if not self.sharing:
+            super().commit(nodes)
+            return
+        for layer in self.cache.layers:  # drop the tree entries; the committed part is the target's
+            layer._len = self.length
+        self.key_positions = self.key_positions[: self.length]
+        self.slots, self.tree = [], None

@@ -31,6 +31,10 @@ def as_runner(model):
         return HeadRunner(model)
     if isinstance(model, MedusaHeads):
         return MedusaRunner(model)
+    from ..models.early_exit import EARLY_EXIT_KEY, SharedCacheRunner
+
+    if EARLY_EXIT_KEY in model.__dict__:  # an early exit of the target: read the target's cache
+        return SharedCacheRunner(model)
     return ModelRunner(model)
 
 
