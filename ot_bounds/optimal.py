@@ -87,6 +87,7 @@ from .draft_laws import (
 )
 
 _TOL = 1e-13
+_BB_BATCH = 64  # prefixes evaluated exactly per round of the branch and bound
 
 
 @dataclass(frozen=True)
@@ -383,6 +384,18 @@ def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int)
     return _wor_branch_and_bound(p, q, n, n_eff, order, qs, big_p, outside, cap, np.sort(top))
 
 
+def _chord_bound(x: NDArray[np.float64], x0: ArrayLike, y0: ArrayLike, x1: ArrayLike, y1: ArrayLike
+                 ) -> NDArray[np.float64]:
+    """Upper bound at ``x0 <= x <= x1`` on a convex function through ``(x0, y0)`` and ``(x1, y1)``:
+    the chord, plus a margin for rounding in the coordinates (``inf`` where ``x1 <= x0``)."""
+    width = np.asarray(x1, dtype=np.float64) - x0
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        slope = np.where(width > 0, (np.asarray(y1) - y0) / width, np.inf)
+        chord = y0 + slope * (x - x0)
+        chord = chord + 1e-12 * np.abs(chord) + 1e-15 * (2.0 + np.abs(slope))
+    return np.where(np.isfinite(chord), chord, np.inf)
+
+
 def _smallest(values: NDArray[np.float64], k: int) -> NDArray[np.int64]:
     """Positions of the ``k`` smallest values, sorted by position (argpartition: O(len))."""
     if values.size <= k:
@@ -393,7 +406,7 @@ def _smallest(values: NDArray[np.float64], k: int) -> NDArray[np.int64]:
 def _wor_branch_and_bound(
     p: NDArray[np.float64], q: NDArray[np.float64], n: int, n_eff: int, order: NDArray[np.int64],
     qs: NDArray[np.float64], big_p: NDArray[np.float64], outside: float, cap: float, top: NDArray[np.int64],
-    batch: int = 64,
+    batch: int | None = None,
 ) -> OptimalAcceptance:
     """Exact minimum of ``P_k - Q_k`` over prefixes ``k`` (``n >= 3`` without replacement).
 
@@ -409,6 +422,7 @@ def _wor_branch_and_bound(
     still able to beat the best exact value. It stops when no prefix can. Index ``j`` is the
     prefix of length ``j + 1``; ``top``: positions of the 256 largest entries of ``qs``, sorted.
     """
+    batch = _BB_BATCH if batch is None else batch
     q2, pieces = _wor_q2(qs, outside)
     _, s_raw, s, c, _ = pieces
     ws, m = workspace(), qs.size
@@ -428,36 +442,56 @@ def _wor_branch_and_bound(
     def objective_lower_bound(cand: NDArray[np.int64]) -> NDArray[np.float64]:
         """Lower bound on ``P_k - Q_k`` for sorted, unevaluated candidates.
 
-        Besides ``ub``, two bounds from the exact values: from the nearest evaluated prefix
-        ``j > k``, ``Q_k <= Q_j - q(H_j - H_k) L_k``, since "all drafts in ``H_j``" contains
-        "first draw in ``H_j - H_k``, the other ``n - 1`` in ``H_k``", of probability at least
-        ``q(H_j - H_k) Q_{n-1}(H_k)`` (after a first draw outside ``H_k``, staying in ``H_k`` only
-        gets easier), and ``Q_{n-1}(H_k) >= L_k``: ``Q_n`` of the nearest evaluated ``i < k``
-        (monotone), or ``Q_2(H_k)`` itself when ``n = 3``. From the nearest evaluated ``i < k``,
-        ``Q_k <= Q_i + cap q(H_k - H_i)``: the chance that a draft lands in ``H_k - H_i`` (union
-        bound over the draws, each made with at most the ``n - 1`` largest masses removed).
+        Besides ``ub``, bounds from the exact values found so far:
+
+        * convexity: by the exchange inequality (module docs) the marginal gains
+          ``(Q_k - Q_{k-1}) / q_k`` never decrease along any order, so ``Q`` is a convex function
+          of the prefix mass ``s`` and lies below every chord: between the evaluated prefixes
+          ``i < k < j``, ``Q_k <= Q_i + (Q_j - Q_i) (s_k - s_i) / (s_j - s_i)``; before the first
+          one the chord starts at the empty set (``s = 0``, ``Q = 0``); after the last one it ends
+          at the whole vocabulary (``s = 1``, ``Q = 1``): ``1 - Q_k >= (1 - Q_j) c_k / c_j``.
+        * from the nearest evaluated ``j > k``: ``Q_k <= Q_j - q(H_j - H_k) L_k``, since "all
+          drafts in ``H_j``" contains "first draw in ``H_j - H_k``, the other ``n - 1`` in
+          ``H_k``", of probability at least ``q(H_j - H_k) Q_{n-1}(H_k)`` (after a first draw
+          outside ``H_k``, staying in ``H_k`` only gets easier), and ``Q_{n-1}(H_k) >= L_k``:
+          ``Q_n`` of the nearest evaluated ``i < k`` (monotone), or ``Q_2(H_k)`` when ``n = 3``.
+        * from the nearest evaluated ``i < k``: ``Q_k <= Q_i + cap q(H_k - H_i)``, the chance that
+          a draft lands in ``H_k - H_i`` (union bound over the draws).
+
+        Chords get a relative margin for the rounding of the masses and of the exact values.
         """
         q_up = ub[cand]  # a copy, shape (K,)
         q_after = np.minimum.accumulate(ev_q[::-1])[::-1]  # least exact Q at or after each evaluated prefix
         lo, hi = np.searchsorted(cand, (ev_idx[0], ev_idx[-1])).tolist()
-        if lo:  # before every evaluated prefix: the successor bound only
+        first_i, last_j = int(ev_idx[0]), int(ev_idx[-1])
+        if lo:  # before every evaluated prefix: the chord from the empty set, the successor bound
             seg = cand[:lo]
-            gain = (s_raw[ev_idx[0]] - s_raw[seg]) * q2[seg] * (1.0 - 1e-9) if n_eff == 3 else 0.0
-            np.minimum(q_up[:lo], q_after[0] - gain, out=q_up[:lo])
-        if hi < cand.size and np.isfinite(cap):  # after every evaluated prefix: the predecessor bound only
+            gain = (s_raw[first_i] - s_raw[seg]) * q2[seg] * (1.0 - 1e-9) if n_eff == 3 else 0.0
+            bound = q_after[0] - gain
+            if s_raw[first_i] > 0:
+                bound = np.minimum(bound, _chord_bound(s_raw[seg], 0.0, 0.0, s_raw[first_i], ev_q[0]))
+            np.minimum(q_up[:lo], bound, out=q_up[:lo])
+        if hi < cand.size:  # after every evaluated prefix: the chord to the whole vocabulary, the predecessor bound
             seg = cand[hi:]
-            np.minimum(q_up[hi:], ev_q[-1] + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[ev_idx[-1]]), out=q_up[hi:])
-        if hi > lo:  # between two evaluated prefixes: both
+            bound = np.full(seg.size, np.inf)
+            if c[last_j] > 0:  # in the mass after the prefix, -c: from (-c_j, Q_j) to (0, 1)
+                bound = _chord_bound(-c[seg], -c[last_j], ev_q[-1], 0.0, 1.0)
+            if np.isfinite(cap):
+                bound = np.minimum(bound, ev_q[-1] + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[last_j]))
+            np.minimum(q_up[hi:], bound, out=q_up[hi:])
+        if hi > lo:  # between two evaluated prefixes: the chord, the successor and predecessor bounds
             seg = cand[lo:hi]
             nxt = np.searchsorted(ev_idx, seg)  # nearest evaluated after (>= 1: seg is after ev_idx[0])
             j, i = ev_idx[nxt], ev_idx[nxt - 1]
+            q_i, q_j = ev_q[nxt - 1], ev_q[nxt]
             low = np.maximum.accumulate(ev_q)[nxt - 1]
             if n_eff == 3:
                 low = np.maximum(low, q2[seg])
-            succ = q_after[nxt] - (s_raw[j] - s_raw[seg]) * low * (1.0 - 1e-9)
+            bound = q_after[nxt] - (s_raw[j] - s_raw[seg]) * low * (1.0 - 1e-9)
             if np.isfinite(cap):
-                succ = np.minimum(succ, ev_q[nxt - 1] + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[i]))
-            np.minimum(q_up[lo:hi], succ, out=q_up[lo:hi])
+                bound = np.minimum(bound, q_i + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[i]))
+            np.minimum(bound, _chord_bound(s_raw[seg], s_raw[i], q_i, s_raw[j], q_j), out=bound)
+            np.minimum(q_up[lo:hi], bound, out=q_up[lo:hi])
         return big_p[cand] - q_up
 
     sharp_sums = _BlockPrefix(_sharp_terms(qs, pieces[0], m, out=ws.take("sharp_terms", 3 * m)))

@@ -49,13 +49,19 @@ def test_wor_n3_v2000_vs_double_sum(seed: int) -> None:
     assert optimal_acceptance(p, q, 3, "without_replacement") == pytest.approx(_wor3_all_prefixes(p, q), abs=1e-10)
 
 
-@pytest.mark.parametrize("n, scale, seed", [(4, 2.0, 5), (3, 6.0, 1), (4, 6.0, 2), (5, 4.0, 3)])
-def test_wor_branch_and_bound_vs_full_scan(n: int, scale: float, seed: int) -> None:
+@pytest.mark.parametrize("batch", [64, 2, 1])
+@pytest.mark.parametrize("n, scale, seed", [(4, 2.0, 5), (3, 6.0, 1), (4, 6.0, 2), (5, 4.0, 3), (3, 1.0, 4)])
+def test_wor_branch_and_bound_vs_full_scan(n: int, scale: float, seed: int, batch: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Branch and bound (monotone bounds, one shared quadrature grid) vs every prefix exactly (V = 300).
 
     Scale 6 makes q peaked: heavy tokens sit inside the ratio order, where the short prefixes have
-    almost no mass outside their n-1 largest tokens (the slow-path / long-time-range case).
+    almost no mass outside their n-1 largest tokens (the slow-path / long-time-range case). With
+    one or two prefixes per round the bounds before and after the evaluated ones decide most.
     """
+    from ot_bounds import optimal
+
+    monkeypatch.setattr(optimal, "_BB_BATCH", batch)
     p, q = _lm_like(300, seed, scale=scale)
     pos = np.flatnonzero(q > 0)
     order = pos[np.argsort(p[pos] / q[pos], kind="stable")]
@@ -128,15 +134,22 @@ def test_iid_and_greedy_large_vocab_vs_reference() -> None:
     assert res.value == pytest.approx(ref_g, abs=1e-12)
 
 
+@pytest.mark.parametrize("batch", [64, 3])
 @pytest.mark.parametrize("n, scale, seed", [(3, 6.0, 11), (4, 6.0, 12), (3, 3.0, 13), (4, 3.0, 14)])
-def test_wor_branch_and_bound_vs_every_prefix_v20000(n: int, scale: float, seed: int) -> None:
+def test_wor_branch_and_bound_vs_every_prefix_v20000(n: int, scale: float, seed: int, batch: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Branch and bound vs the exact Q of every one of ~20,000 prefixes (V = 20,000).
 
     Large enough for several bounding rounds, the two-class tiny-token moments and the bounds
     that interpolate between evaluated prefixes; the reference evaluates all prefixes with the
     prefix quadrature (itself checked against single evaluations below) and takes the minimum.
+    With 3 prefixes per round instead of 64 the optimum is usually outside the first round's
+    prefixes, so every bound (before, between and after the evaluated ones) decides many rounds.
     """
+    from ot_bounds import optimal
     from ot_bounds.draft_laws import WorPrefixQuadrature
+
+    monkeypatch.setattr(optimal, "_BB_BATCH", batch)
 
     p, q = _lm_like(20_000, seed, scale=scale)
     pos = np.flatnonzero(q > 0)
@@ -196,3 +209,32 @@ def test_workspace_results_are_independent_across_calls_and_threads() -> None:
             np.testing.assert_array_equal(got.subset, want.subset)
     release_workspace()
     assert optimal_subset(*cases[0][0], 3, "without_replacement").value == sequential[0].value
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_q_is_convex_in_prefix_mass_and_chords_bound_it(seed: int) -> None:
+    """The branch and bound's chord bounds rest on convexity: along ANY order of the tokens the
+    marginal gains (Q_k - Q_{k-1}) / q_k never decrease (the exchange inequality), so Q lies below
+    every chord, including those from the empty set (0, 0) and to the vocabulary (1, 1). Exact
+    Q by enumeration (V <= 7); the halved chord (a wrong bound) must be caught below Q somewhere."""
+    from ot_bounds.optimal import _chord_bound
+
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(4, 8))
+    q = rng.dirichlet(np.full(v, rng.choice([0.3, 1.0, 3.0])))
+    broken_caught = False
+    for law in ("without_replacement", "iid"):
+        for n in range(2, min(v, 4) + 1):
+            order = rng.permutation(v)
+            s = np.concatenate(([0.0], np.cumsum(q[order])))
+            big_q = np.array([0.0] + [prob_all_drafts_in(q, order[:k], n, law) for k in range(1, v + 1)])
+            gains = np.diff(big_q) / q[order]
+            assert np.all(np.diff(gains) >= -1e-9), (law, n, gains)
+            for i in range(v + 1):
+                for j in range(i + 2, v + 1):
+                    ks = np.arange(i + 1, j)
+                    bound = _chord_bound(s[ks], s[i], big_q[i], s[j], big_q[j])
+                    assert np.all(bound >= big_q[ks] - 1e-12)
+                    halved = big_q[i] + 0.5 * (bound - big_q[i])
+                    broken_caught |= bool(np.any(halved < big_q[ks] - 1e-9))
+    assert broken_caught
