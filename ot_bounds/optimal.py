@@ -54,7 +54,9 @@ Exact per-law algorithms
   lower bound on the objective; the prefixes whose bound is below the best
   exact value found so far are then evaluated exactly (1-D exponential-race
   integral, batched over prefixes:
-  :func:`ot_bounds.draft_laws.wor_prob_all_in_prefixes`).  The
+  :func:`ot_bounds.draft_laws.wor_prob_all_in_prefixes`).  By (*) the
+  marginal gains along the order never decrease, so ``Q`` is convex in the
+  prefix mass and every exact value bounds its neighbours through chords.  The
   result is exact; the run time depends on how many prefixes survive.
 * ``"greedy"``: ``alpha* = p(T) + sum_{y not in T} min(p(y), q'(y))`` in ``O(V)``.
 * ``"spechub"``: same unordered law as greedy with ``n = 2``.
@@ -415,9 +417,9 @@ def _wor_branch_and_bound(
     ``s``); after the first exact round, on the prefixes that survive it, the sharper Jensen bound
     (:func:`_wor_sharp_bound`, first once per block of 256 positions, then per candidate in the
     blocks that survive); and the exact values of the nearest evaluated prefixes on either side
-    (``objective_lower_bound``: ``Q`` is monotone under inclusion, with a lower bound on how much
-    it grows towards the next evaluated prefix and an upper bound on how much it grew since the
-    previous one). The first round evaluates (one batched quadrature) the ``batch`` prefixes with
+    (``objective_lower_bound``: ``Q`` is monotone under inclusion and convex in the prefix mass,
+    so it lies below the chords between evaluated prefixes, with further bounds on how much it
+    grows towards the next evaluated prefix and grew since the previous one). The first round evaluates (one batched quadrature) the ``batch`` prefixes with
     the lowest cheap bound; each later round up to ``batch`` survivors spread evenly over the ones
     still able to beat the best exact value. It stops when no prefix can. Index ``j`` is the
     prefix of length ``j + 1``; ``top``: positions of the 256 largest entries of ``qs``, sorted.
