@@ -520,6 +520,10 @@ def _wor_branch_and_bound(
             pick = cand[np.unique(np.linspace(0, cand.size - 1, batch).round().astype(np.int64))]
             q_all_in = quad(pick + 1)
         evals += pick.size
+        if not np.all(np.isfinite(q_all_in)):  # a NaN would be skipped by argmin's comparison and poison the bounds
+            raise FloatingPointError(
+                f"without replacement, n = {n_eff}: non-finite Q(all drafts in H) for prefixes "
+                f"{(pick[~np.isfinite(q_all_in)] + 1)[:5].tolist()} of the ratio order")
         vals = big_p[pick] - q_all_in
         i = int(np.argmin(vals))
         if vals[i] < best_val:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 from ot_bounds import optimal_acceptance, optimal_subset, prob_all_drafts_in
+from ot_bounds import draft_laws
 from ot_bounds.draft_laws import draft_tuple_law, wor_prob_all_in
 
 
@@ -98,6 +101,55 @@ def test_wor_integral_vs_enumeration() -> None:
                 mask = rng.random(v) < 0.6
                 ref = law.probs[np.all(mask[law.tuples], axis=1)].sum()
                 assert prob_all_drafts_in(q, mask, n, "without_replacement") == pytest.approx(ref, abs=1e-12)
+
+
+def test_light_count_probs_on_far_nodes() -> None:
+    """P(N(t) = b) of the light tokens where q t passes expm1's overflow (~709): against the direct
+    Poisson-binomial recursion, with no floating-point warning (the old form gave inf / inf = NaN)."""
+    q_light = np.array([5e-6, 4.5e-6, 4e-6, 3.5e-6, 3e-6, 1e-12])
+    t = np.array([1e3, 1e6, 1e8, 3e8, 1e9, 1e12])  # q t up to 5e6
+    m = 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = draft_laws._light_count_probs(q_light, t, m)
+    for row, tt in zip(got, t):
+        dist = np.zeros(m)
+        dist[0] = 1.0
+        for qi in q_light:
+            y = -np.expm1(-qi * tt)
+            dist = dist * (1 - y) + np.concatenate(([0.0], dist[:-1])) * y
+        assert row == pytest.approx(dist, abs=1e-12, rel=1e-9)
+
+
+@pytest.mark.parametrize("lead, n", [((), 6), ((0.5,), 7), ((0.3, 0.2), 8)])
+def test_wor_integral_far_nodes_vs_enumeration(lead: tuple, n: int) -> None:
+    """H = a few equal small tokens plus a 1e-12 one: the n-1 largest hold almost all of H, the
+    quadrature reaches t ~ 1e13, and Q still matches the enumerated tuple law (found on a real
+    Gemma-3-270M / draft-head pair at n = 8, where the NaN turned alpha* into 1.0)."""
+    q = np.array([*lead, 5e-6, 4.5e-6, 4e-6, 3.5e-6, 3e-6, 1e-12, 0.0])
+    q[-1] = 1.0 - q.sum()
+    law = draft_tuple_law(q, n, "without_replacement")
+    inside = np.arange(q.size) < q.size - 1
+    ref = law.probs[np.all(inside[law.tuples], axis=1)].sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = wor_prob_all_in(q[:-1], float(q[-1]), n)
+    assert got == pytest.approx(ref, abs=1e-12)
+
+
+def test_branch_and_bound_refuses_non_finite_q(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-finite Q from the quadrature raises instead of being skipped by the search."""
+    p, q = _lm_like(5000, 3)
+    original = draft_laws.WorPrefixQuadrature.__call__
+
+    def poisoned(self, ks):
+        out = np.array(original(self, ks), dtype=np.float64)
+        out[0] = np.nan
+        return out
+
+    monkeypatch.setattr(draft_laws.WorPrefixQuadrature, "__call__", poisoned)
+    with pytest.raises(FloatingPointError, match="non-finite Q"):
+        optimal_acceptance(p, q, 3, "without_replacement")
 
 
 def test_tiny_token_moment_path_matches_direct() -> None:
