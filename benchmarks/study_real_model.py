@@ -17,10 +17,11 @@ over each full sequence gives p and q at every generated position (measurement o
 For each temperature T (p and q both at T) and n: optimal acceptance for i.i.d., without-replacement
 and greedy drafting and each verifier's exact acceptance (``P(output in drafts)``) at full vocabulary
 (see :mod:`ot_bounds.study`; ``rrs_without_replacement`` is skipped: no closed form at V = 262,144).
-Without replacement for n >= 3 is a certified per-position bracket [lo, hi] (``ot_bounds.study.wor_bracket``;
-the exact branch and bound costs 0.1-10 s per pair at full V here, and a truncated vocabulary needs
-~131k tokens for a 1e-6 error bound on these heavy-tailed distributions); widths are reported. Writes ``summary.json``, ``summary.md`` and ``positions.npz`` to ``--out``
-(default ``benchmarks/results/ot_study/``).
+Without replacement for n >= 3 is exact by default (``--wor exact``: ``ot_bounds.optimal_acceptance``'s branch
+and bound per position, tens of milliseconds at V = 262,144); the certified per-position bracket [lo, hi] of
+``ot_bounds.study.wor_brackets`` is computed beside it, reported, and every exact value is checked to lie in it.
+``--wor bracket`` skips the exact search and reports hi. Writes ``summary.json``, ``summary.md`` and
+``positions.npz`` to ``--out`` (default ``benchmarks/results/ot_study/``).
 """
 
 from __future__ import annotations
@@ -107,8 +108,19 @@ def collect(model, tok, prompts, layer: int, new_tokens: int, gen_temperature: f
         yield pr["subtask"], target, draft
 
 
-def evaluate_chunk(target: torch.Tensor, draft: torch.Tensor, temps, ns):
-    """All metrics for a chunk of positions: dict name -> array [len(temps), B]."""
+#: exact values may exceed the certified bracket by rounding only
+BRACKET_TOL = 1e-9
+
+
+def evaluate_chunk(target: torch.Tensor, draft: torch.Tensor, temps, ns, wor: str = "exact"):
+    """All metrics for a chunk of positions: dict name -> array [len(temps), B].
+
+    ``wor="exact"``: ``opt_wor_n{n}`` for ``n >= 3`` is the exact optimum (one branch and bound per
+    position); ``"bracket"``: it is the bracket's upper end. Both keep ``opt_wor_lo_n{n}`` /
+    ``opt_wor_hi_n{n}``, the certified bracket.
+    """
+    from ot_bounds import optimal_acceptance
+
     res: dict[str, list] = {}
 
     def put(name, t_idx, values):
@@ -137,9 +149,16 @@ def evaluate_chunk(target: torch.Tensor, draft: torch.Tensor, temps, ns):
             put("opt_wor_n1", ti, st.verifier_single(p, q).numpy())
         if 2 in ns:
             put("opt_wor_n2", ti, st.optimal_wor2(sp).numpy())
-        for n, (lo, hi) in st.wor_brackets(sp, [n for n in ns if n >= 3], iid).items():
+        big_ns = [n for n in ns if n >= 3]
+        p_rows, q_rows = p.numpy(), q.numpy()  # shape [B, V] each
+        for n, (lo, hi) in st.wor_brackets(sp, big_ns, iid).items():
             put(f"opt_wor_lo_n{n}", ti, lo.numpy())
-            put(f"opt_wor_n{n}", ti, hi.numpy())
+            put(f"opt_wor_hi_n{n}", ti, hi.numpy())
+            if wor == "exact":
+                put(f"opt_wor_n{n}", ti, [optimal_acceptance(pr, qr, n, "without_replacement")
+                                          for pr, qr in zip(p_rows, q_rows)])
+            else:
+                put(f"opt_wor_n{n}", ti, hi.numpy())
     return {k: np.stack(v) for k, v in res.items()}
 
 
@@ -147,9 +166,10 @@ def _worker_init() -> None:
     torch.set_num_threads(1)
 
 
-def evaluate_rows(target: torch.Tensor, draft: torch.Tensor, temps, ns, chunk: int) -> dict[str, np.ndarray]:
+def evaluate_rows(target: torch.Tensor, draft: torch.Tensor, temps, ns, chunk: int,
+                  wor: str = "exact") -> dict[str, np.ndarray]:
     """:func:`evaluate_chunk` over ``chunk`` rows at a time (1 keeps each [V] row cache-resident)."""
-    parts = [evaluate_chunk(target[lo:lo + chunk], draft[lo:lo + chunk], temps, ns)
+    parts = [evaluate_chunk(target[lo:lo + chunk], draft[lo:lo + chunk], temps, ns, wor)
              for lo in range(0, target.shape[0], chunk)]
     return {k: np.concatenate([c[k] for c in parts], axis=1) for k in parts[0]}
 
@@ -161,11 +181,20 @@ def summarise(metrics: dict[str, np.ndarray], subtasks: np.ndarray, temps, ns) -
     out = {"all": means(np.ones(subtasks.size, dtype=bool))}
     out["per_subtask"] = {s: means(subtasks == s) for s in SUBTASKS if np.any(subtasks == s)}
     out["positions_per_subtask"] = {s: int(np.sum(subtasks == s)) for s in SUBTASKS}
+    def width(n, ti):
+        return metrics[f"opt_wor_hi_n{n}"][ti] - metrics[f"opt_wor_lo_n{n}"][ti]
+
+    def outside(n, ti):  # exact values outside the certified bracket (0 when wor = "bracket")
+        v = metrics[f"opt_wor_n{n}"][ti]
+        return int(np.sum((v < metrics[f"opt_wor_lo_n{n}"][ti] - BRACKET_TOL)
+                          | (v > metrics[f"opt_wor_hi_n{n}"][ti] + BRACKET_TOL)))
+
     out["wor_bracket"] = {
-        f"n{n}": {"mean_width": [float((metrics[f"opt_wor_n{n}"][ti] - metrics[f"opt_wor_lo_n{n}"][ti]).mean())
-                                 for ti in range(len(temps))],
-                  "max_width": [float((metrics[f"opt_wor_n{n}"][ti] - metrics[f"opt_wor_lo_n{n}"][ti]).max())
-                                for ti in range(len(temps))]}
+        f"n{n}": {"mean_width": [float(width(n, ti).mean()) for ti in range(len(temps))],
+                  "max_width": [float(width(n, ti).max()) for ti in range(len(temps))],
+                  "exact_outside": [outside(n, ti) for ti in range(len(temps))],
+                  "hi_minus_value_mean": [float((metrics[f"opt_wor_hi_n{n}"][ti]
+                                                 - metrics[f"opt_wor_n{n}"][ti]).mean()) for ti in range(len(temps))]}
         for n in ns if n >= 3}
     return out
 
@@ -183,9 +212,13 @@ def markdown(summary: dict, settings: dict) -> str:
         f"{', '.join(settings['prompt_ids'])}; {settings['new_tokens']} tokens sampled at T = "
         f"{settings['gen_temperature']}, seed {settings['seed']})",
         "- acceptance = P(output token is one of the drafts) at one node; p and q both at temperature T; "
-        "exact at full vocabulary (V = 262,144) except optimal without replacement for n >= 3, which is "
-        "a certified bracket [lo, hi] per position (ot_bounds.study.wor_bracket; tables show hi, the "
-        "widths are in the last table)",
+        + ("exact at full vocabulary (V = 262,144), optimal without replacement for n >= 3 included (the "
+           "branch and bound of ot_bounds.optimal_acceptance per position; the last table checks each "
+           "value against the certified bracket of ot_bounds.study.wor_brackets)"
+           if settings.get("wor", "bracket") == "exact" else
+           "exact at full vocabulary (V = 262,144) except optimal without replacement for n >= 3, which is "
+           "a certified bracket [lo, hi] per position (ot_bounds.study.wor_bracket; tables show hi, the "
+           "widths are in the last table)"),
         "- `rrs_without_replacement` skipped: its exact value is a recursion over rejected tokens, O(V^n)",
         "",
         "## Means over all positions",
@@ -224,13 +257,16 @@ def markdown(summary: dict, settings: dict) -> str:
                       f"{m[f'opt_greedy_n{n}'][ti]:.3f}", f"{rrs:.3f}"]
         lines.append(f"| {sub} | {summary['positions_per_subtask'][sub]} | {m['top1_agree'][ti]:.3f} | "
                      + " | ".join(cells) + " |")
-    lines += ["", "## Without replacement, n >= 3: certified bracket width (hi - lo)", "",
-              "| T | " + " | ".join(f"mean n={n} | max n={n}" for n in ns if n >= 3) + " |",
-              "|---:|" + "---:|" * (2 * len([n for n in ns if n >= 3]))]
+    big = [n for n in ns if n >= 3]
+    lines += ["", "## Without replacement, n >= 3: certified bracket width (hi - lo), mean and max"
+              + (", and exact values outside the bracket (must be 0)" if settings.get("wor") == "exact" else ""), "",
+              "| T | " + " | ".join(f"mean n={n} | max n={n} | outside n={n}" for n in big) + " |",
+              "|---:|" + "---:|" * (3 * len(big))]
     br = summary["wor_bracket"]
     for ti, temp in enumerate(temps):
-        lines.append(f"| {temp} | " + " | ".join(f"{br[f'n{n}']['mean_width'][ti]:.2e} | {br[f'n{n}']['max_width'][ti]:.2e}"
-                                                  for n in ns if n >= 3) + " |")
+        lines.append(f"| {temp} | " + " | ".join(
+            f"{br[f'n{n}']['mean_width'][ti]:.2e} | {br[f'n{n}']['max_width'][ti]:.2e} | "
+            f"{br[f'n{n}']['exact_outside'][ti] if settings.get('wor') == 'exact' else '-'}" for n in big) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -252,6 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2,
                     help="evaluation processes (1 thread each), working while collection goes on; 1 = in process")
     ap.add_argument("--task", type=int, default=16, help="positions per evaluation task")
+    ap.add_argument("--wor", choices=("exact", "bracket"), default="exact",
+                    help="without replacement, n >= 3: the exact optimum per position, or the bracket's upper end")
     ap.add_argument("--small", action="store_true", help="1 prompt per subtask, 8 tokens, T in {0.7, 1.0}")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "ot_study")
     args = ap.parse_args(argv)
@@ -284,7 +322,7 @@ def main(argv=None) -> int:
         t_collect += time.time() - t1
         for lo in range(0, target.shape[0], args.task):
             job = (target[lo:lo + args.task].clone(), draft[lo:lo + args.task].clone(), args.temperatures,
-                   args.ns, args.chunk)
+                   args.ns, args.chunk, args.wor)
             futures.append(pool.submit(evaluate_rows, *job) if pool else evaluate_rows(*job))
         subtasks += [sub] * target.shape[0]
         print(f"{sub}: {len(subtasks)} positions collected, collect {t_collect:.0f} s", flush=True)
@@ -303,12 +341,13 @@ def main(argv=None) -> int:
         "gen_temperature": args.gen_temperature, "temperatures": args.temperatures, "ns": args.ns,
         "seed": args.seed, "positions": int(sub_arr.size),
         "runtime_s": time.time() - t0, "load_s": t_load, "collect_s": t_collect,
-        "evaluate_after_collect_s": t_eval, "workers": args.workers, "threads": args.threads,
+        "evaluate_after_collect_s": t_eval, "workers": args.workers, "threads": args.threads, "wor": args.wor,
         "draft": (f"early exit after layer {args.layer} -> final norm -> LM head" if head is None else
                   f"EAGLE-style draft head {'(shipped)' if args.draft == 'head' else args.draft} "
                   f"({head.num_trained_parameters / 1e6:.2f}M parameters, "
                   f"vocabulary subset {head.vocab_ids.numel()})"),
-        "acceptance": "P(output token in drafts), one node, exact",
+        "acceptance": "P(output token in drafts), one node, exact" + (
+            "" if args.wor == "exact" else " (w/o replacement n >= 3: bracket upper end)"),
         "skipped": {"rrs_without_replacement": "no closed form at full vocabulary (O(V^n) recursion)"},
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -319,6 +358,9 @@ def main(argv=None) -> int:
                         **{k: v.astype(np.float32) for k, v in metrics.items()})
     print(f"{sub_arr.size} positions in {settings['runtime_s']:.0f} s (load {t_load:.0f}, collect "
           f"{t_collect:.0f}, evaluation after the last collection {t_eval:.0f}); wrote {args.out}")
+    if args.wor == "exact":
+        bad = sum(sum(v["exact_outside"]) for v in summary["wor_bracket"].values())
+        print(f"exact w/o-replacement optima outside the certified bracket: {bad}")
     return 0
 
 

@@ -258,15 +258,16 @@ def _light_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: 
     chunk = max(1, 2_000_000 // q_light.size)
     for lo in range(0, t.size, chunk):
         tt = t[lo : lo + chunk]  # shape (M',)
-        a = np.outer(tt, q_light)  # shape (M', L)
-        amax = a.max(axis=1)  # shape (M',)
-        xmax = amax  # > 0 exactly when expm1(a_max) > 0
-        if amax.max() < 700.0:  # z = expm1(a) / expm1(a_max)
-            x = np.expm1(a, out=a)
-            safe = np.where(amax > 0, x.max(axis=1), 1.0)
+        with np.errstate(over="ignore"):
+            x = np.expm1(np.outer(tt, q_light))  # shape (M', L)
+        xmax = x.max(axis=1)  # shape (M',)
+        if np.all(xmax < np.inf):  # z = expm1(a) / expm1(a_max) with a = q t
+            safe = np.where(xmax > 0, xmax, 1.0)
             z = x / safe[:, None]  # shape (M', L), entries in [0, 1]
             log_xmax = np.log(safe)
-        else:  # the same ratio as exp(a - a_max) (1 - e^-a) / (1 - e^-a_max): expm1(a) would overflow
+        else:  # far nodes (a > ~709): the same ratio as exp(a - a_max) (1 - e^-a) / (1 - e^-a_max)
+            a = np.outer(tt, q_light)  # shape (M', L)
+            amax = a.max(axis=1)  # shape (M',)
             safe = np.where(amax > 0, -np.expm1(-amax), 1.0)  # 1 - e^-a_max
             z = np.exp(a - amax[:, None]) * (-np.expm1(-a)) / safe[:, None]  # shape (M', L), in [0, 1]
             log_xmax = np.where(amax > 0, amax + np.log(safe), 0.0)  # log expm1(a_max)

@@ -93,3 +93,34 @@ def test_logit_order_serves_every_temperature() -> None:
     wrong = torch.arange(500).expand(3, -1).contiguous()
     torch.testing.assert_close(st.optimal_iid(st.sort_pairs(p, q, wrong), 3),
                                st.optimal_iid(st.sort_pairs(p, q), 3), atol=1e-12, rtol=0)
+
+
+def test_study_evaluates_exact_wor_inside_the_bracket() -> None:
+    """The real-model study's evaluation (``benchmarks/study_real_model.py``) on random logits with a
+    draft that is -inf outside a subset (like the shipped head): without replacement at n >= 3 it
+    reports the exact optimum per position (checked against ``optimal_acceptance`` on the same p, q),
+    inside the certified bracket; ``--wor bracket`` reports the bracket's upper end."""
+    from benchmarks.study_real_model import evaluate_chunk, summarise
+
+    rng = np.random.default_rng(11)
+    v, rows, temps, ns = 3000, 3, [0.7, 1.0], [1, 2, 3, 4]
+    target = torch.tensor(rng.normal(size=(rows, v)) * 3.0, dtype=torch.float32)
+    draft = target + torch.tensor(rng.normal(size=(rows, v)) * 1.5, dtype=torch.float32)
+    draft[:, v // 2:] = -torch.inf  # q = 0 on half the vocabulary
+    exact = evaluate_chunk(target, draft, temps, ns, "exact")
+    for ti, temp in enumerate(temps):
+        p = torch.softmax(target.double() / temp, dim=-1).numpy()
+        q = torch.softmax(draft.double() / temp, dim=-1).numpy()
+        for n in (3, 4):
+            ref = [optimal_acceptance(p[i], q[i], n, "without_replacement") for i in range(rows)]
+            assert exact[f"opt_wor_n{n}"][ti] == pytest.approx(ref, abs=1e-12)
+            assert np.all(exact[f"opt_wor_lo_n{n}"][ti] <= exact[f"opt_wor_n{n}"][ti] + 1e-9)
+            assert np.all(exact[f"opt_wor_n{n}"][ti] <= exact[f"opt_wor_hi_n{n}"][ti] + 1e-9)
+    summary = summarise(exact, np.array(["writing"] * rows), temps, ns)
+    assert all(c == 0 for val in summary["wor_bracket"].values() for c in val["exact_outside"])
+    bracket = evaluate_chunk(target, draft, temps, ns, "bracket")
+    for n in (3, 4):
+        np.testing.assert_array_equal(bracket[f"opt_wor_n{n}"], bracket[f"opt_wor_hi_n{n}"])
+    # a value pushed outside its bracket is counted
+    exact["opt_wor_n3"][0, 0] = exact["opt_wor_hi_n3"][0, 0] + 1e-6
+    assert summarise(exact, np.array(["writing"] * rows), temps, ns)["wor_bracket"]["n3"]["exact_outside"][0] == 1
