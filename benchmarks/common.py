@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+#: the shared data folder: ``../shared`` next to the repository, or ``$TREESPEC_SHARED``
+SHARED = Path(os.environ.get("TREESPEC_SHARED") or REPO.parent / "shared")
 SPEC_BENCH = SHARED / "data" / "eval" / "spec_bench.prompts.jsonl"
 HUMANEVAL = SHARED / "data" / "eval" / "humaneval.prompts.jsonl"
 TRAIN_PROMPTS = SHARED / "data" / "train" / "train_prompts.jsonl"

@@ -9,7 +9,6 @@ checkpoint must continue exactly, and q must be exactly 0 outside the vocabulary
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,13 +21,14 @@ from treespec.drafting.hybrid import LookupHeadDrafter
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.drafting.model import StaticTreeShape
 from treespec.generate import GenerationConfig, generate
+from benchmarks.common import TRAIN_PROMPTS
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 
 from .test_end_to_end_stats import g_test
 
 V = 128
-TRAIN = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "train" / "train_prompts.jsonl"
+TRAIN = TRAIN_PROMPTS
 FALLBACK = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
             "Translate to French: good morning", "What is 12 times 7? Think step by step."] * 3
 

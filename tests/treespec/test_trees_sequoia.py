@@ -3,12 +3,12 @@ acceptance vector, the hardware profile's JSON form and the (n, d) choice."""
 
 import math
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from benchmarks.common import TRAIN_PROMPTS
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 from treespec.trees.sequoia import (
@@ -108,7 +108,7 @@ def test_acceptance_vector_measurement(tmp_path):
 
 
 def test_calibration_prompts_are_train_prompts():
-    prompts = read_prompts(Path(__file__).resolve().parents[3] / "shared/data/train/train_prompts.jsonl", limit=3)
+    prompts = read_prompts(TRAIN_PROMPTS, limit=3)
     assert len(prompts) == 3 and all(isinstance(p, str) and p for p in prompts)
 
 
