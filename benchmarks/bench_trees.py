@@ -17,7 +17,7 @@ chains), ``sequoia`` (DP shape from an acceptance vector measured on train promp
 the target's own first L layers). For Sequoia the tau predicted from the calibration acceptance
 vector is reported beside the measured one.
 
-Writes results.json, results.md and results.png under
+Writes results.json, results.md and results.png (rewritten after every budget) under
 ``benchmarks/results/trees/<date>-<commit>/`` (commit, CPU, threads, versions and settings inside).
 
     python benchmarks/bench_trees.py --draft path/to/draft          # the full comparison
@@ -197,6 +197,55 @@ def run_set(target, prompts_ids, make, cfg: GenerationConfig) -> dict:
             "mean_tree_nodes": tot["tree_nodes"] / max(tot["target_calls"], 1), **tot}
 
 
+def write_results(out: Path, meta: dict, results: list[dict], builders: list[str], temps: list[float],
+                  args: argparse.Namespace, rows: list[dict], target_name: str, draft_name: str | None) -> None:
+    """results.json, results.md and results.png of what has been measured so far (rewritten after
+    every budget, so a run cut short keeps the budgets it finished; ``meta["complete"]`` says which)."""
+    commit = meta["commit"]
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    lines = [f"# Tree builders, commit {commit}" + ("" if meta["complete"] else " (PARTIAL: run still going or cut short)"), "",
+             f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
+             f"{meta['machine']['torch_threads']} threads, torch {meta['machine']['torch']}, "
+             f"transformers {meta['machine']['transformers']}, {args.dtype}; {meta['prompt_subset']}, "
+             f"{len(rows)} prompts, {args.max_new_tokens} new tokens", "",
+             "| T | builder | budget | tree nodes | tau | tokens/s | speedup | draft s | verify s | other s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['temperature']:g} | {r['builder']} | {r['budget']} | {r['mean_tree_nodes']:.1f} | "
+                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['draft_s']:.2f} | "
+                     f"{r['verify_s']:.2f} | {r['other_s']:.2f} |")
+    seq = [r for r in results if r["builder"] == "sequoia"]
+    if seq:
+        lines += ["", "Sequoia: measured tau on the measured prompts vs tau predicted from the train-prompt calibration "
+                  "(rows per depth for a head; the last column: the depth-1 row alone, classic Sequoia)", "",
+                  "| T | budget | measured | predicted | error | predicted (depth-1 row only) |", "|---|---|---|---|---|---|"]
+        for r in seq:
+            alt = r.get("predicted_tau_depth1_only")
+            lines.append(f"| {r['temperature']:g} | {r['budget']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
+                         f"{r['tau'] / r['predicted_tau'] - 1:+.1%} | " + (f"{alt:.2f} |" if alt else "- |"))
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, len(temps), figsize=(5 * len(temps), 8), squeeze=False)
+    for j, t in enumerate(temps):
+        for name in builders:
+            pts = sorted((r["budget"], r["tau"], r["speedup"]) for r in results
+                         if r["builder"] == name and r["temperature"] == t)
+            axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
+        axes[0][j].set_title(f"T = {t:g}: tau")
+        axes[1][j].set_title(f"T = {t:g}: speedup over plain")
+        axes[1][j].axhline(1.0, color="gray", lw=0.8)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("node budget")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", default=None,
@@ -213,7 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-depth", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--sequoia-acc", default=None, help="acceptance vector JSON (else measured on train prompts)")
+    ap.add_argument("--sequoia-acc", default=None,
+                    help="acceptance vector JSON, or an earlier run's results.json (its calibration rows per "
+                         "temperature); else measured on train prompts")
     ap.add_argument("--calib-prompts", type=int, default=64)
     ap.add_argument("--calib-held-out", action="store_true",
                     help="calibrate on the last train rows of the distillation order (never seen by a shipped head)")
@@ -280,10 +331,20 @@ def main(argv=None) -> int:
     prompts_ids = [encode(r["prompt"]) for r in rows]
 
     accs: dict[float, list[float]] = {}
+    acc_source = "measured in this run"
     if "sequoia" in builders:
         if args.sequoia_acc:
-            vec = AcceptanceVector.load(args.sequoia_acc)
-            accs = {t: vec.rows for t in temps}
+            saved = json.loads(Path(args.sequoia_acc).read_text())
+            if "meta" in saved:  # an earlier run's results.json: its calibration rows per temperature
+                found = saved["meta"].get("sequoia_acc", {})
+                missing = [t for t in temps if str(t) not in found]
+                if missing:
+                    raise SystemExit(f"{args.sequoia_acc} has no Sequoia calibration for T = {missing}")
+                accs = {t: found[str(t)] for t in temps}
+            else:
+                vec = AcceptanceVector.load(args.sequoia_acc)
+                accs = {t: vec.rows for t in temps}
+            acc_source = f"loaded from {args.sequoia_acc}"
         else:
             calib = calibration_sequences(target, draft, encode, args)  # train split only
             is_head = isinstance(draft, EagleHead)
@@ -298,6 +359,18 @@ def main(argv=None) -> int:
                 print(f"T={t} acceptance rows (depth 1..): " + "; ".join(
                     " ".join(f"{a:.3f}" for a in row[:3]) for row in vec.rows), flush=True)
 
+    commit = git_commit()
+    out = Path(args.out) if args.out else ROOT / "benchmarks/results/trees" / (
+        f"{datetime.date.today().isoformat()}-{commit}" + ("-tiny" if args.tiny else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"commit": commit, "machine": machine_info(), "target": target_name, "draft": draft_name,
+            "dtype": args.dtype, "settings": vars(args), "prompts": [r["id"] for r in rows],
+            "prompt_subset": (f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)"
+                              if args.eval_prompts == "specbench" else
+                              f"{args.per_subtask} held-out train rows per Spec-Bench subtask kind, disjoint "
+                              f"from the calibration rows"),
+            "sequoia_acc": {str(k): v for k, v in accs.items()}, "sequoia_acc_source": acc_source,
+            "complete": False}
     results = []
     warm = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(0.0), stop_on_eos=False)
     generate(target, prompts_ids[0], None, warm)  # warm-up
@@ -321,59 +394,10 @@ def main(argv=None) -> int:
                 print(f"T={t} n={b} {name}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s, "
                       f"speedup {r['speedup']:.2f}" + (f", predicted tau {r['predicted_tau']:.2f}"
                                                       if "predicted_tau" in r else ""), flush=True)
+            write_results(out, meta, results, builders, temps, args, rows, target_name, draft_name)
 
-    commit = git_commit()
-    out = Path(args.out) if args.out else ROOT / "benchmarks/results/trees" / (
-        f"{datetime.date.today().isoformat()}-{commit}" + ("-tiny" if args.tiny else ""))
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"commit": commit, "machine": machine_info(), "target": target_name, "draft": draft_name,
-            "dtype": args.dtype, "settings": vars(args), "prompts": [r["id"] for r in rows],
-            "prompt_subset": (f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)"
-                              if args.eval_prompts == "specbench" else
-                              f"{args.per_subtask} held-out train rows per Spec-Bench subtask kind, disjoint "
-                              f"from the calibration rows"),
-            "sequoia_acc": {str(k): v for k, v in accs.items()}}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    lines = [f"# Tree builders, commit {commit}", "",
-             f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
-             f"{meta['machine']['torch_threads']} threads, torch {meta['machine']['torch']}, "
-             f"transformers {meta['machine']['transformers']}, {args.dtype}; {meta['prompt_subset']}, "
-             f"{len(rows)} prompts, {args.max_new_tokens} new tokens", "",
-             "| T | builder | budget | tree nodes | tau | tokens/s | speedup | draft s | verify s | other s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['temperature']:g} | {r['builder']} | {r['budget']} | {r['mean_tree_nodes']:.1f} | "
-                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['draft_s']:.2f} | "
-                     f"{r['verify_s']:.2f} | {r['other_s']:.2f} |")
-    seq = [r for r in results if r["builder"] == "sequoia"]
-    if seq:
-        lines += ["", "Sequoia: measured tau on the measured prompts vs tau predicted from the train-prompt calibration "
-                  "(rows per depth for a head; the last column: the depth-1 row alone, classic Sequoia)", "",
-                  "| T | budget | measured | predicted | error | predicted (depth-1 row only) |", "|---|---|---|---|---|---|"]
-        for r in seq:
-            alt = r.get("predicted_tau_depth1_only")
-            lines.append(f"| {r['temperature']:g} | {r['budget']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
-                         f"{r['tau'] / r['predicted_tau'] - 1:+.1%} | " + (f"{alt:.2f} |" if alt else "- |"))
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, len(temps), figsize=(5 * len(temps), 8), squeeze=False)
-    for j, t in enumerate(temps):
-        for name in builders:
-            pts = sorted((r["budget"], r["tau"], r["speedup"]) for r in results
-                         if r["builder"] == name and r["temperature"] == t)
-            axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-            axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
-        axes[0][j].set_title(f"T = {t:g}: tau")
-        axes[1][j].set_title(f"T = {t:g}: speedup over plain")
-        axes[1][j].axhline(1.0, color="gray", lw=0.8)
-        for ax in (axes[0][j], axes[1][j]):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("node budget")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "results.png", dpi=100)
+    meta["complete"] = True
+    write_results(out, meta, results, builders, temps, args, rows, target_name, draft_name)
     print(f"wrote {out}")
     return 0
 
