@@ -229,32 +229,30 @@ def _elementary_symmetric(power: list, m: int) -> list:
     return e
 
 
-def _light_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: int) -> NDArray[np.float64]:
-    """P(N(t) = b) for b < m, N Poisson-binomial with probs 1 - exp(-q_i t).
+_LIGHT_TOL = 2.0**-44  # absolute rounding error allowed in each P(N_light = b) on a node (~5.7e-14)
 
-    Uses ``P(N = b) = exp(-s t) e_b(x)`` with ``x_i = expm1(q_i t)`` and the
-    elementary symmetric polynomials from Newton's identities on ``x / max x``
-    (scaled to avoid overflow).  Stable when no single token dominates the
-    light mass (the caller moves dominant tokens to the exact DP).
 
-    Parameters
-    ----------
-    q_light : ndarray, shape (L,)
-    t : ndarray, shape (M,)
-    m : int
+def _newton_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: int
+                        ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Newton's-identities part of :func:`_light_count_probs` on nodes ``t``.
 
-    Returns
-    -------
-    ndarray, shape (M, m)
+    Returns the probabilities, shape (M, m), and an a-priori bound on their absolute rounding
+    error, shape (M,). Newton's identities write ``e_b(z)`` as a signed sum of products of power
+    sums whose absolute values add up to the complete homogeneous polynomial ``h_b(z)`` (same
+    recursion, every sign +), so the rounding error of ``e_b`` is a small multiple of
+    ``eps h_b(z)`` (taken as ``4 m eps h_b(z)``). With ``z = x / max x`` that is relative when the ``z`` are comparable and
+    catastrophic when one of them dominates (far nodes of unequal masses), which the bound shows.
+    The exponent ``-s t + b log max x`` is off by up to ``d = eps (s t + b |log max x|)``, a
+    factor ``e^(+-d)`` on the result: on far nodes the masses of small tokens vanish from it
+    (``0.7 t + 1e-18 t`` rounds to ``0.7 t``), so the bound is
+    ``exp(scale + d) h_b(z) (4 m eps + expm1(d))``.
     """
     out = np.zeros((t.size, m))  # shape (M, m)
-    if q_light.size == 0:
-        out[:, 0] = 1.0
-        return out
+    err = np.zeros(t.size)  # shape (M,)
     s = float(q_light.sum())
     out[:, 0] = np.exp(-s * t)
-    if m == 1:
-        return out
+    if m == 1 or q_light.size == 0:
+        return out, err
     chunk = max(1, 2_000_000 // q_light.size)
     for lo in range(0, t.size, chunk):
         tt = t[lo : lo + chunk]  # shape (M',)
@@ -277,10 +275,82 @@ def _light_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: 
             zj = zj * z
             power.append(zj.sum(axis=1))
         e = _elementary_symmetric(power, m)
+        h = [np.ones_like(tt)]  # complete homogeneous h_b(z), b < m: k h_k = sum_i h_{k-i} p_i
+        for k in range(1, m):
+            h.append(sum(h[k - i] * power[i] for i in range(1, k + 1)) / k)
+        worst = np.full(tt.size, -np.inf)
+        eps = np.finfo(float).eps
         for b in range(1, m):
-            with np.errstate(divide="ignore"):  # e_b = 0 gives log -inf and P = 0
-                val = np.exp(-s * tt + b * log_xmax + np.log(e[b]))  # one exponent: no inf * 0
+            with np.errstate(divide="ignore", over="ignore"):  # e_b = 0: log -inf, P = 0; inf: redone
+                scale = -s * tt + b * log_xmax  # log of exp(-s t) max(x)^b
+                val = np.exp(scale + np.log(e[b]))  # one exponent: no inf * 0
+                drift = eps * (s * tt + b * np.abs(log_xmax))  # rounding error of the exponent
+                log_expm1 = np.where(drift > 0, drift + np.log(-np.expm1(-drift)), -np.inf)  # log expm1(d)
+                bound = scale + drift + np.log(h[b]) + np.logaddexp(np.log(4.0 * m * eps), log_expm1)
+                worst = np.maximum(worst, np.where(xmax > 0, bound, -np.inf))
             out[lo : lo + chunk, b] = np.where(xmax > 0, val, 0.0)
+        err[lo : lo + chunk] = np.exp(np.minimum(worst, 700.0))
+    return out, err
+
+
+def _convolve_counts(a: NDArray[np.float64], b: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Law of the sum of two independent counts, truncated to ``m`` values: shape (M, m)."""
+    m = a.shape[1]
+    out = np.zeros_like(a)
+    for i in range(m):
+        out[:, i:] += a[:, i : i + 1] * b[:, : m - i]
+    return out
+
+
+def _light_count_probs(q_light: NDArray[np.float64], t: NDArray[np.float64], m: int) -> NDArray[np.float64]:
+    """P(N(t) = b) for b < m, N Poisson-binomial with probs 1 - exp(-q_i t).
+
+    Uses ``P(N = b) = exp(-s t) e_b(x)`` with ``x_i = expm1(q_i t)`` and the
+    elementary symmetric polynomials from Newton's identities on ``x / max x``
+    (scaled to avoid overflow). That is accurate while no ``x_i`` dominates the
+    others on a node; on the nodes where the rounding bound of
+    :func:`_newton_count_probs` exceeds ``_LIGHT_TOL`` (far nodes with unequal
+    masses), the largest tokens move to the exact DP (8, 64, 512, ... of them)
+    until the rest pass the bound (at worst every token is in the DP).
+
+    Parameters
+    ----------
+    q_light : ndarray, shape (L,)
+    t : ndarray, shape (M,)
+    m : int
+
+    Returns
+    -------
+    ndarray, shape (M, m)
+    """
+    if q_light.size == 0:
+        out = np.zeros((t.size, m))
+        out[:, 0] = 1.0
+        return out
+    out, err = _newton_count_probs(q_light, t, m)
+    redo = np.flatnonzero(err > _LIGHT_TOL)
+    if redo.size == 0:
+        return out
+    order = np.argsort(-q_light, kind="stable")
+    dp = np.zeros((redo.size, m))  # shape (R, m): law of the count of the DP tokens
+    dp[:, 0] = 1.0
+    done, size = 0, 8
+    while redo.size:
+        size = min(size, q_light.size)
+        for qi in q_light[order[done:size]]:  # exact DP over the next largest tokens
+            y = -np.expm1(-qi * t[redo])[:, None]  # shape (R, 1)
+            new = dp * (1.0 - y)
+            new[:, 1:] += dp[:, :-1] * y
+            dp = new
+        done = size
+        if done == q_light.size:
+            out[redo] = dp
+            break
+        rest, rest_err = _newton_count_probs(q_light[order[done:]], t[redo], m)
+        ok = rest_err <= _LIGHT_TOL
+        out[redo[ok]] = _convolve_counts(dp[ok], rest[ok])
+        redo, dp = redo[~ok], dp[~ok]
+        size *= 8
     return out
 
 
@@ -379,8 +449,12 @@ def _wor_count_below(
     t: NDArray[np.float64],
     n: int,
     tiny_moments: NDArray[np.float64] | None = None,
+    tiny_scale: float = 1.0,
 ) -> NDArray[np.float64]:
-    """P(N_H(t) <= n - 1) for the exponential race restricted to H, shape (M,)."""
+    """P(N_H(t) <= n - 1) for the exponential race restricted to H, shape (M,).
+
+    ``tiny_moments[k] = sum_i (q_i tiny_scale)^k`` over the tiny tokens (scaled so that neither
+    the moments underflow nor the powers of ``t / tiny_scale`` overflow on far nodes)."""
     dist = np.zeros((t.size, n))  # shape (M, n): P(heavy count = a), a < n
     dist[:, 0] = 1.0
     for qh in heavy:
@@ -390,7 +464,7 @@ def _wor_count_below(
         dist = new
     parts = [_light_count_probs(light, t, n)]  # each shape (M, n)
     if tiny_moments is not None:
-        parts.append(_tiny_count_probs(tiny_moments, t, n))
+        parts.append(_tiny_count_probs(tiny_moments, t / tiny_scale, n))
     for part in parts:  # truncated convolution of count distributions
         new = np.zeros_like(dist)
         for a in range(n):
@@ -436,8 +510,10 @@ def wor_prob_all_in(q_in: NDArray[np.float64], c: float, n: int) -> float:
         return s
     if n == 2:
         return float(max(s - c * np.sum(q_pos / one_minus(q_pos, outside=c)), 0.0))
-    top = np.sort(q_pos)[::-1][: n - 1] if q_pos.size < 4 * n else q_pos[top_indices(q_pos, n - 1)]
-    r = max(s - float(top.sum()), 1e-300)
+    top = np.argsort(-q_pos)[: n - 1] if q_pos.size < 4 * n else top_indices(q_pos, n - 1)
+    rest = np.ones(q_pos.size, dtype=bool)
+    rest[top] = False
+    r = max(float(q_pos[rest].sum()), 1e-300)  # summed directly: s - (top mass) loses a tiny r
     t_end = ((n - 1) * np.log(q_pos.size + 1.0) + 40.0) / r
     t_start = 1e-3 / max(s, c)  # below this both scales are resolved by one panel
     n_panels = max(1, int(np.ceil(np.log2(t_end / t_start))))
@@ -447,7 +523,7 @@ def wor_prob_all_in(q_in: NDArray[np.float64], c: float, n: int) -> float:
     tiny = q_pos <= _TINY_REACH / edges[-1]
     tiny_moments = None
     if np.count_nonzero(tiny) > 64:
-        qt = q_pos[tiny]
+        qt = q_pos[tiny] * edges[-1]  # q t_end <= 1/4: moments of q t_end, powers of t / t_end
         tiny_moments = np.empty(_M_TINY + 1)
         tiny_moments[0] = qt.size
         acc = np.ones_like(qt)
@@ -459,7 +535,7 @@ def wor_prob_all_in(q_in: NDArray[np.float64], c: float, n: int) -> float:
     lo, hi = edges[:-1, None], edges[1:, None]  # shape (P, 1)
     nodes = (0.5 * (hi - lo) * _GL_NODES[None, :] + 0.5 * (hi + lo)).ravel()  # shape (P*16,)
     weights = (0.5 * (hi - lo) * _GL_WEIGHTS[None, :]).ravel()
-    vals = c * np.exp(-c * nodes) * _wor_count_below(heavy, light, nodes, n, tiny_moments)
+    vals = c * np.exp(-c * nodes) * _wor_count_below(heavy, light, nodes, n, tiny_moments, float(edges[-1]))
     return float(min(max(1.0 - float(weights @ vals), 0.0), 1.0))
 
 

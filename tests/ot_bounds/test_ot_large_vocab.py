@@ -137,6 +137,64 @@ def test_wor_integral_far_nodes_vs_enumeration(lead: tuple, n: int) -> None:
     assert got == pytest.approx(ref, abs=1e-12)
 
 
+def _count_law_by_dp(q: np.ndarray, t: float, m: int) -> np.ndarray:
+    """P(N(t) = b), b < m, by the plain Poisson-binomial recursion (the obvious reference)."""
+    dist = np.zeros(m)
+    dist[0] = 1.0
+    for qi in q:
+        y = -np.expm1(-qi * t)
+        dist = dist * (1 - y) + np.concatenate(([0.0], dist[:-1])) * y
+    return dist
+
+
+def test_light_count_probs_unequal_masses_on_far_nodes() -> None:
+    """Seven 0.1 tokens, one 1e-18 and a hundred 1e-24 ones, t from 1 to 1e22: on far nodes one
+    group of z dominates (Newton's identities cancel) and the exponent -s t + 7 log max x loses the
+    small masses (0.7 t + 1e-18 t rounds to 0.7 t). Both are caught by the rounding bound and
+    redone by the DP; the old form returned 0 where the law is 0.37 (t = 1e18) and huge values
+    for P(N = 5..7) at n = 8."""
+    q_light = np.array([0.1] * 7 + [1e-18] + [1e-24] * 100)
+    t = np.logspace(0, 22, 89)
+    m = 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = draft_laws._light_count_probs(q_light, t, m)
+    for row, tt in zip(got, t):
+        assert row == pytest.approx(_count_law_by_dp(q_light, tt, m), abs=1e-13)
+
+
+@pytest.mark.parametrize("small, c", [((1e-9, 5e-10), 1e-7), ((1e-9, 5e-10), 1e-4), ((1e-18,), 1e-17)])
+def test_wor_integral_unequal_light_tokens_vs_enumeration(small: tuple, c: float) -> None:
+    """H = five comparable tokens (all 'light': none above a quarter of the rest) and one or two
+    tiny ones, n = 6: Q(all 6 drafts in H) needs the sixth draft from the tiny ones and matches
+    the enumerated tuple law (the Newton form gave 0.79 for a true 3e-4 in this regime)."""
+    q = np.array([0.2, 0.2, 0.2, 0.2, 0.2, *small, c])
+    q[4] = 1.0 - q[:4].sum() - q[5:].sum()
+    n = 6
+    law = draft_tuple_law(q, n, "without_replacement")
+    inside = np.arange(q.size) < q.size - 1
+    ref = law.probs[np.all(inside[law.tuples], axis=1)].sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = wor_prob_all_in(q[:-1], c, n)
+    assert got == pytest.approx(ref, abs=1e-12, rel=1e-9)
+
+
+@pytest.mark.parametrize("c", [1e-17, 1e-19])
+def test_wor_integral_tiny_tokens_at_far_time_scales(c: float) -> None:
+    """Seven 0.1 tokens, one 1e-18 and a hundred 1e-24 ones (the tiny-moment path), n = 8: the
+    quadrature runs to t ~ 1e20, where t^16 overflowed the moment expansion and s - (top mass)
+    lost the 1e-18 of r. The eighth draft must come from the small tokens after the seven large
+    ones, so Q = S / (S + c) with S = 1e-18 + 1e-22, up to O(1e-17) for small tokens drawn
+    earlier."""
+    q_in = np.array([0.1] * 7 + [1e-18] + [1e-24] * 100)
+    small = 1e-18 + 1e-22
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = wor_prob_all_in(q_in, c, 8)
+    assert got == pytest.approx(small / (small + c), rel=1e-9)
+
+
 def test_branch_and_bound_refuses_non_finite_q(monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-finite Q from the quadrature raises instead of being skipped by the search."""
     p, q = _lm_like(5000, 3)
