@@ -184,15 +184,23 @@ def summarise(metrics: dict[str, np.ndarray], subtasks: np.ndarray, temps, ns) -
     def width(n, ti):
         return metrics[f"opt_wor_hi_n{n}"][ti] - metrics[f"opt_wor_lo_n{n}"][ti]
 
-    def outside(n, ti):  # exact values outside the certified bracket (0 when wor = "bracket")
+    def outside_at(n, ti):  # positions whose exact value is outside the certified bracket
         v = metrics[f"opt_wor_n{n}"][ti]
-        return int(np.sum((v < metrics[f"opt_wor_lo_n{n}"][ti] - BRACKET_TOL)
-                          | (v > metrics[f"opt_wor_hi_n{n}"][ti] + BRACKET_TOL)))
+        return np.flatnonzero((v < metrics[f"opt_wor_lo_n{n}"][ti] - BRACKET_TOL)
+                              | (v > metrics[f"opt_wor_hi_n{n}"][ti] + BRACKET_TOL))
+
+    def outside(n, ti):  # how many (0 when wor = "bracket")
+        return int(outside_at(n, ti).size)
+
+    def outside_rows(n, ti):  # each as [position, exact, lo, hi] in full precision
+        return [[int(i)] + [float(metrics[f"opt_wor{k}_n{n}"][ti][i]) for k in ("", "_lo", "_hi")]
+                for i in outside_at(n, ti)]
 
     out["wor_bracket"] = {
         f"n{n}": {"mean_width": [float(width(n, ti).mean()) for ti in range(len(temps))],
                   "max_width": [float(width(n, ti).max()) for ti in range(len(temps))],
                   "exact_outside": [outside(n, ti) for ti in range(len(temps))],
+                  "exact_outside_positions": [outside_rows(n, ti) for ti in range(len(temps))],
                   "hi_minus_value_mean": [float((metrics[f"opt_wor_hi_n{n}"][ti]
                                                  - metrics[f"opt_wor_n{n}"][ti]).mean()) for ti in range(len(temps))]}
         for n in ns if n >= 3}

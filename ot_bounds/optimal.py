@@ -279,13 +279,20 @@ def _wor_sharp_bound(qs: NDArray[np.float64], n: int, pieces: tuple, q2: NDArray
     si, ci, q2i, s1i = s[idx], c[idx], q2[idx], s1[idx]
     # E[m_2 ; first two draws in H] with m_2 the drafted mass after two draws
     em2 = si * s2 - 2.0 * s3 + s1i * w2
+    # rounding of the k-term prefix sums: at most ~k eps times the terms' magnitude (the three
+    # terms of em2 reach 1 / (1 - max q) and cancel); mu is lowered by that much, which can only
+    # raise the bound, and the bound gets the same allowance for the prefix mass inside Q_2
+    k_eps = (idx + 1.0) * np.finfo(np.float64).eps
     with np.errstate(divide="ignore", invalid="ignore"):
-        mu = np.divide(em2, q2i, out=np.zeros_like(em2), where=q2i > 0)
-        third = np.divide(si - mu, 1.0 - mu, out=np.ones_like(mu), where=mu < 1.0)
+        mu = np.divide(em2 - 4.0 * k_eps * (si * s2 + 2.0 * s3 + s1i * w2), q2i, out=np.zeros_like(em2),
+                       where=q2i > 0)
+        # (s - mu) / (1 - mu) as 1 - c / (1 - mu): the prefix sum s is off by far more than a tiny c
+        third = np.subtract(1.0, np.divide(ci, 1.0 - mu, out=np.zeros_like(mu), where=mu < 1.0),
+                            out=np.ones_like(mu), where=mu < 1.0)
     third = np.clip(np.nan_to_num(third, nan=1.0), 0.0, 1.0)
     concave = (n - 3) * ci <= 2.0 * (si - m2)
     ub = np.where(concave, q2i * third ** (n - 2), q2i * third * si ** (n - 3))
-    return np.minimum(ub + 1e-12, 1.0)
+    return np.minimum(ub + 1e-12 + 2.0 * k_eps, 1.0)
 
 
 def _sharp_terms(qs: NDArray[np.float64], w: NDArray[np.float64], hi: int,
@@ -369,8 +376,13 @@ def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int)
     # the 512 largest q (one partition) give both the cap and, located in the order, the
     # positions of the 256 largest entries of qs that the branch and bound needs
     top_q = top_indices(q, 512, scratch=ws.take("tmp", q.size))  # sorted by -q
-    m_top = float(q[top_q[: n_eff - 1]].sum())
-    cap = n_eff / (1.0 - m_top) if m_top < 1.0 else np.inf
+    # 1 - (mass of the n-1 largest) summed from the other entries: subtracting from 1 loses a
+    # remainder ~1e-18 entirely, and a cap too small would drop tokens the optimum may need
+    rest = ws.take("cap_rest", q.size)
+    np.copyto(rest, q)
+    rest[top_q[: n_eff - 1]] = 0.0
+    tail = float(rest.sum())
+    cap = n_eff / tail if tail > 0.0 else np.inf
     order, outside, top_pos = _ratio_order(p, q, cap, find=top_q)
     m = order.size
     qs = np.take(q, order, out=ws.take("qs", m))  # shape (m,)
@@ -386,14 +398,15 @@ def _without_replacement(p: NDArray[np.float64], q: NDArray[np.float64], n: int)
     return _wor_branch_and_bound(p, q, n, n_eff, order, qs, big_p, outside, cap, np.sort(top))
 
 
-def _chord_bound(x: NDArray[np.float64], x0: ArrayLike, y0: ArrayLike, x1: ArrayLike, y1: ArrayLike
-                 ) -> NDArray[np.float64]:
-    """Upper bound at ``x0 <= x <= x1`` on a convex function through ``(x0, y0)`` and ``(x1, y1)``:
-    the chord, plus a margin for rounding in the coordinates (``inf`` where ``x1 <= x0``)."""
-    width = np.asarray(x1, dtype=np.float64) - x0
+def _chord_bound(dx: NDArray[np.float64], y0: ArrayLike, width: ArrayLike, y1: ArrayLike) -> NDArray[np.float64]:
+    """Upper bound at ``x0 + dx`` (``0 <= dx <= width``) on a convex function through ``(x0, y0)``
+    and ``(x0 + width, y1)``: the chord, plus a margin for rounding in the coordinates (``inf``
+    where ``width <= 0``). Offsets, not coordinates: the caller takes each from the sum that
+    resolves it (a mass of 1e-19 next to a prefix of mass ~1 vanishes from prefix sums)."""
+    width = np.asarray(width, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         slope = np.where(width > 0, (np.asarray(y1) - y0) / width, np.inf)
-        chord = y0 + slope * (x - x0)
+        chord = y0 + slope * dx
         chord = chord + 1e-12 * np.abs(chord) + 1e-15 * (2.0 + np.abs(slope))
     return np.where(np.isfinite(chord), chord, np.inf)
 
@@ -462,24 +475,30 @@ def _wor_branch_and_bound(
 
         Chords get a relative margin for the rounding of the masses and of the exact values.
         """
+        def between(a: NDArray[np.int64] | int, b: NDArray[np.int64] | int) -> NDArray[np.float64]:
+            """q mass of prefix ``b`` minus prefix ``a`` (``a <= b``), from the sums after the
+            prefixes where those are small (prefix sums near 1 lose masses ~1e-19), else from the
+            prefix sums."""
+            return np.where(c[a] < 0.5, c[a] - c[b], s_raw[b] - s_raw[a])
+
         q_up = ub[cand]  # a copy, shape (K,)
         q_after = np.minimum.accumulate(ev_q[::-1])[::-1]  # least exact Q at or after each evaluated prefix
         lo, hi = np.searchsorted(cand, (ev_idx[0], ev_idx[-1])).tolist()
         first_i, last_j = int(ev_idx[0]), int(ev_idx[-1])
         if lo:  # before every evaluated prefix: the chord from the empty set, the successor bound
             seg = cand[:lo]
-            gain = (s_raw[first_i] - s_raw[seg]) * q2[seg] * (1.0 - 1e-9) if n_eff == 3 else 0.0
+            gain = between(seg, first_i) * q2[seg] * (1.0 - 1e-9) if n_eff == 3 else 0.0
             bound = q_after[0] - gain
             if s_raw[first_i] > 0:
-                bound = np.minimum(bound, _chord_bound(s_raw[seg], 0.0, 0.0, s_raw[first_i], ev_q[0]))
+                bound = np.minimum(bound, _chord_bound(s_raw[seg], 0.0, s_raw[first_i], ev_q[0]))
             np.minimum(q_up[:lo], bound, out=q_up[:lo])
         if hi < cand.size:  # after every evaluated prefix: the chord to the whole vocabulary, the predecessor bound
             seg = cand[hi:]
             bound = np.full(seg.size, np.inf)
             if c[last_j] > 0:  # in the mass after the prefix, -c: from (-c_j, Q_j) to (0, 1)
-                bound = _chord_bound(-c[seg], -c[last_j], ev_q[-1], 0.0, 1.0)
+                bound = _chord_bound(c[last_j] - c[seg], ev_q[-1], c[last_j], 1.0)
             if np.isfinite(cap):
-                bound = np.minimum(bound, ev_q[-1] + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[last_j]))
+                bound = np.minimum(bound, ev_q[-1] + cap * (1.0 + 1e-9) * between(last_j, seg))
             np.minimum(q_up[hi:], bound, out=q_up[hi:])
         if hi > lo:  # between two evaluated prefixes: the chord, the successor and predecessor bounds
             seg = cand[lo:hi]
@@ -489,10 +508,10 @@ def _wor_branch_and_bound(
             low = np.maximum.accumulate(ev_q)[nxt - 1]
             if n_eff == 3:
                 low = np.maximum(low, q2[seg])
-            bound = q_after[nxt] - (s_raw[j] - s_raw[seg]) * low * (1.0 - 1e-9)
+            bound = q_after[nxt] - between(seg, j) * low * (1.0 - 1e-9)
             if np.isfinite(cap):
-                bound = np.minimum(bound, q_i + cap * (1.0 + 1e-9) * (s_raw[seg] - s_raw[i]))
-            np.minimum(bound, _chord_bound(s_raw[seg], s_raw[i], q_i, s_raw[j], q_j), out=bound)
+                bound = np.minimum(bound, q_i + cap * (1.0 + 1e-9) * between(i, seg))
+            np.minimum(bound, _chord_bound(between(i, seg), q_i, between(i, j), q_j), out=bound)
             np.minimum(q_up[lo:hi], bound, out=q_up[lo:hi])
         return big_p[cand] - q_up
 

@@ -69,6 +69,8 @@ class SortedPairs:
     ratio: torch.Tensor  # [B, V] sorted p / q (inf where q = 0)
     big_p: torch.Tensor  # [B, V] prefix sums of p
     big_q: torch.Tensor  # [B, V] prefix sums of q
+    after_q: torch.Tensor  # [B, V] q mass after each prefix, summed from the small end (1 - big_q
+    #                        loses the digits of a remainder ~1e-14 next to a near-1 prefix)
 
 
 def sort_pairs(p: torch.Tensor, q: torch.Tensor, order: torch.Tensor | None = None) -> SortedPairs:
@@ -92,7 +94,9 @@ def sort_pairs(p: torch.Tensor, q: torch.Tensor, order: torch.Tensor | None = No
         else:
             ratio = torch.cummax(given, dim=1).values  # remove the ulp-level inversions
     ps, qs = p.gather(1, order), q.gather(1, order)
-    return SortedPairs(ps, qs, ratio, ps.cumsum(dim=1), qs.cumsum(dim=1).clamp(max=1.0))
+    suffix = qs.flip(1).cumsum(dim=1).flip(1)  # [B, V] q mass from each position on
+    after = torch.cat((suffix[:, 1:], torch.zeros_like(suffix[:, :1])), dim=1)
+    return SortedPairs(ps, qs, ratio, ps.cumsum(dim=1), qs.cumsum(dim=1).clamp(max=1.0), after)
 
 
 def logit_order(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,7 @@ def optimal_wor2(sp: SortedPairs) -> torch.Tensor:
     qs = sp.q
     w = torch.where(qs > 0, qs / _one_minus(qs).clamp(min=1e-300), torch.zeros_like(qs))
     s = sp.big_q
-    c = (1.0 - s).clamp(min=0.0)
+    c = sp.after_q  # q(V - H_k), not 1 - s: see SortedPairs
     q2 = torch.where(c > 0, (s - c * w.cumsum(dim=1)).clamp(min=0.0), s)
     g = sp.big_p - q2
     return (1.0 + g.min(dim=1).values.clamp(max=0.0)).clamp(0.0, 1.0)
@@ -145,7 +149,7 @@ def wor_brackets(sp: SortedPairs, ns: list[int], iid: dict[int, torch.Tensor] | 
     qs = sp.q
     w = torch.where(qs > 0, qs / _one_minus(qs).clamp(min=1e-300), torch.zeros_like(qs))
     s = sp.big_q
-    c = (1.0 - s).clamp(min=0.0)
+    c = sp.after_q  # q(V - H_k), not 1 - s: see SortedPairs
     s1 = w.cumsum(dim=1)
     q2 = torch.where(c > 0, (s - c * s1).clamp(min=0.0), s)
     s2 = (w * qs).cumsum(dim=1)
@@ -153,21 +157,30 @@ def wor_brackets(sp: SortedPairs, ns: list[int], iid: dict[int, torch.Tensor] | 
     w2 = (qs * qs).cumsum(dim=1)
     em2 = s * s2 - 2.0 * s3 + s1 * w2
     mu = torch.where(q2 > 0, em2 / q2.clamp(min=1e-300), torch.zeros_like(q2))
-    third = torch.where(mu < 1.0, (s - mu) / (1.0 - mu).clamp(min=1e-300), torch.ones_like(mu))
+    # mu cancels terms as large as s1 ~ 1 / (1 - max q): lower it by a bound on the rounding of the
+    # k-term prefix sums (k eps times the terms' magnitude), which can only raise the upper bound
+    k = torch.arange(1, qs.shape[1] + 1, dtype=qs.dtype)
+    size = (s * s2 + 2.0 * s3 + s1 * w2) * k * torch.finfo(qs.dtype).eps * 4.0
+    mu = mu - torch.where(q2 > 0, size / q2.clamp(min=1e-300), torch.zeros_like(q2))
+    # (s - mu) / (1 - mu) written as 1 - c / (1 - mu): s (a long prefix sum) carries an absolute
+    # rounding error far above c when the prefix holds nearly all of q
+    third = torch.where(mu < 1.0, 1.0 - c / (1.0 - mu).clamp(min=1e-300), torch.ones_like(mu))
     third = torch.nan_to_num(third, nan=1.0).clamp(0.0, 1.0)
-    top = torch.topk(qs, max(ns), dim=1).values  # [B, max n]
-    cum_top = top.cumsum(dim=1)  # M_j = cum_top[:, j-1]
-    m2 = cum_top[:, 1:2]
+    top, top_idx = torch.topk(qs, max(ns), dim=1)  # [B, max n]
+    m2 = top[:, :2].sum(dim=1, keepdim=True)  # M_2
+    # 1 - M_j as the mass outside the j largest, summed without subtracting from 1
+    rest = qs.scatter(1, top_idx, 0.0).sum(dim=1, keepdim=True)  # [B, 1]
+    tail = rest + top.flip(1).cumsum(dim=1).flip(1)  # tail[:, j] = 1 - M_j (j = 0 .. max n - 1)
+    margin = 1e-12 + 2.0 * k * torch.finfo(qs.dtype).eps  # rounding of k-term prefix sums, [V]
     out = {}
     for n in ns:
         concave = (n - 3) * c <= 2.0 * (s - m2)
         ub = torch.where(concave, q2 * third ** (n - 2), q2 * third * s ** (n - 3))
-        ub = (ub + 1e-12).clamp(max=1.0)
+        ub = (ub + margin).clamp(max=1.0)
         lbq = q2
-        for j in range(2, n):
-            mj = cum_top[:, j - 1:j]
-            lbq = lbq * ((s - mj).clamp(min=0.0) / (1.0 - mj).clamp(min=1e-300)).clamp(max=1.0)
-        lbq = (lbq - 1e-12).clamp(min=0.0)
+        for j in range(2, n):  # (s - M_j)+ / (1 - M_j) = (1 - c / (1 - M_j))+
+            lbq = lbq * (1.0 - c / tail[:, j:j + 1].clamp(min=1e-300)).clamp(0.0, 1.0)
+        lbq = (lbq - margin).clamp(min=0.0)
         lo = 1.0 + (sp.big_p - ub).min(dim=1).values.clamp(max=0.0)
         hi = 1.0 + (sp.big_p - lbq).min(dim=1).values.clamp(max=0.0)
         lo = torch.maximum(lo, iid[n] if iid is not None and n in iid else optimal_iid(sp, n))

@@ -215,6 +215,38 @@ def test_wor_integral_multiscale_masses_vs_enumeration() -> None:
         assert abs(got - ref) <= 1e-12 + 1e-9 * ref, (n, q.tolist(), got, ref)
 
 
+def dominant_token_pairs(count: int, v: int = 20000, seed: int = 0):
+    """Yield ``count`` (p, q) pairs where one token holds all but ~1e-7..1e-10 of q (Gumbel logits
+    with a +30..40 bump, temperature 0.5, q = 0 on half the vocabulary): the ratio order ends in
+    a long tail of masses ~1e-19 .. 1e-40 that sums near 1 cannot resolve."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        z = rng.gumbel(size=v) * 3.0
+        z[0] += 30 + rng.random() * 10
+        d = z + rng.normal(size=v) * 1.5
+        d[v // 2:] = -np.inf
+        p, q = np.exp((z - z.max()) / 0.5), np.exp((d - d.max()) / 0.5)
+        yield p / p.sum(), q / q.sum()
+
+
+@pytest.mark.parametrize("index, n", [(4, 8), (24, 4)])
+def test_wor_dominant_token_vs_scan_of_the_tail(index: int, n: int) -> None:
+    """Branch and bound against every prefix whose remaining draft mass is below 1e-15 (the
+    optimum sits there for these pairs), Q by the quadrature with that mass summed directly.
+    Before: the cap n / (1 - M_{n-1}) came from 1 - (a sum ~1 - 4e-18) (30x too small: tokens the
+    optimum needs were dropped; alpha* = 1.0 for a true 0.9999999997) and the bounds between
+    prefixes used prefix-sum differences (a 3.6e-19 token that adds 1.2e-5 to Q had mass 0: alpha*
+    0.998039 for 0.998027)."""
+    p, q = list(dominant_token_pairs(index + 1))[index]
+    pos = np.flatnonzero(q > 0)
+    order = pos[np.argsort(p[pos] / q[pos], kind="stable")]
+    after = np.concatenate((np.cumsum(q[order][::-1])[::-1][1:], [0.0]))  # q mass after each prefix
+    big_p = np.cumsum(p[order])
+    tail = np.flatnonzero(after < 1e-15) + 1
+    best = min(big_p[k - 1] - wor_prob_all_in(q[order[:k]], float(after[k - 1]), n) for k in tail)
+    assert optimal_acceptance(p, q, n, "without_replacement") == pytest.approx(1.0 + min(best, 0.0), abs=1e-10)
+
+
 def test_branch_and_bound_refuses_non_finite_q(monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-finite Q from the quadrature raises instead of being skipped by the search."""
     p, q = _lm_like(5000, 3)
@@ -363,7 +395,7 @@ def test_q_is_convex_in_prefix_mass_and_chords_bound_it(seed: int) -> None:
             for i in range(v + 1):
                 for j in range(i + 2, v + 1):
                     ks = np.arange(i + 1, j)
-                    bound = _chord_bound(s[ks], s[i], big_q[i], s[j], big_q[j])
+                    bound = _chord_bound(s[ks] - s[i], big_q[i], s[j] - s[i], big_q[j])
                     assert np.all(bound >= big_q[ks] - 1e-12)
                     halved = big_q[i] + 0.5 * (bound - big_q[i])
                     broken_caught |= bool(np.any(halved < big_q[ks] - 1e-9))
