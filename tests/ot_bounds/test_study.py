@@ -134,7 +134,7 @@ def test_wor_bracket_holds_for_a_dominant_draft_token() -> None:
     exact optimum lies in the certified bracket (1e-12). Before, the bracket took the mass after a
     prefix as 1 - (prefix sum), the third-draw factor as (s - mu) / (1 - mu) with s a long prefix
     sum, and 1 - M_j from the top masses by subtraction: 10 of these 80 cases fell outside (by up
-    to 5e-4), as did 3 of 6,336 real Gemma-3-270M positions at T = 0.5."""
+    to 5e-4), as did 3 (position, n) pairs of the real Gemma-3-270M study at T = 0.5."""
     from .test_ot_large_vocab import dominant_token_pairs
 
     for p, q in dominant_token_pairs(40):
