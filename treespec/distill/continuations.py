@@ -1,0 +1,282 @@
+"""The target's own continuations of many prompts, generated in resumable, seeded chunks.
+
+Stage 1 of a distillation corpus: only token ids are produced here (cheap to store, ~4 bytes a
+position), so the expensive part of corpus building (autoregressive generation) is done once and
+the teacher-forced labels (hidden states, top-k log-probabilities of any layer) can be recomputed
+from the ids in one batched pass whenever the training recipe changes.
+
+The generator is a lean batched loop over the model's own forward with a KV cache: left-padded
+prompts, explicit position ids, the LM head applied to the last position only, greedy = argmax of
+the logits, sampling = an exact draw from ``softmax(logits / T)`` in float32 with a per-chunk seeded
+``torch.Generator``. Rows stop at their first EOS. Measured against Hugging Face ``generate`` by
+``benchmarks/bench_continuations.py``.
+
+A chunk is one file ``chunk-NNNNN.json`` holding the prompt indices, the prompts' token counts and
+the generated ids; a manifest fingerprints the recipe (prompt file hash, options) so a resumed run
+cannot mix recipes. A chunk is written atomically; a killed run loses at most the chunk it was on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..files import atomic_write_json, remove_stale_temporaries
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ContinuationOptions:
+    """mode: "greedy" or "sample" (temperature ``temperature``, no top-k / top-p).
+    new_tokens: cap on generated tokens per prompt (a row ends earlier at EOS).
+    max_prompt_tokens: prompts are cut to their last this many tokens (memory / time bound).
+    batch_size: prompts per batched generation; chunk_size: prompts per stored chunk (a multiple of it)."""
+
+    mode: str = "greedy"
+    temperature: float = 1.0
+    new_tokens: int = 256
+    max_prompt_tokens: int = 512
+    batch_size: int = 32
+    chunk_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("greedy", "sample"):
+            raise ValueError(f"mode must be 'greedy' or 'sample', got {self.mode!r}")
+        if self.mode == "sample" and not (self.temperature > 0 and self.temperature < float("inf")):
+            raise ValueError(f"sampling needs a finite temperature > 0, got {self.temperature!r}")
+        for name in ("new_tokens", "max_prompt_tokens", "batch_size", "chunk_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.chunk_size % self.batch_size:
+            raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of batch_size ({self.batch_size})")
+
+
+def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """``[B, H]`` last hidden states -> ``[B, V]`` float32 logits (LM head + soft-capping if any)."""
+    logits = model.get_output_embeddings()(hidden).float()
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _pick(logits: torch.Tensor, opts: ContinuationOptions, generator: torch.Generator | None) -> torch.Tensor:
+    """``[B, V]`` float32 logits -> ``[B]`` next tokens (argmax, or an exact draw at the temperature)."""
+    if opts.mode == "greedy":
+        return logits.argmax(dim=-1)
+    return draw_from_logits(logits / opts.temperature, generator)
+
+
+def draw_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
+                     block: int = 512) -> torch.Tensor:
+    """One exact draw per row from ``softmax(logits)``: ``[B, V]`` float32 -> ``[B]`` token ids.
+
+    Inverse-CDF sampling in two levels (a block, then a token inside it) so that only ``V / block +
+    block`` cumulative sums are formed per row, in float64; a uniform ``u`` picks the token whose
+    cumulative interval holds it, so token ``i`` is drawn with probability ``p_i`` up to float
+    rounding, and a zero-probability token never. Several times faster than ``torch.multinomial``
+    on a 262,144-token vocabulary.
+    """
+    b, v = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
+    pad = (-v) % block
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    blocks = probs.view(b, -1, block)  # [B, nb, block]
+    cdf_blocks = blocks.sum(-1).double().cumsum(-1)  # [B, nb]
+    u = torch.rand(b, 1, generator=generator, dtype=torch.float64, device=logits.device) * cdf_blocks[:, -1:]
+    kb = torch.searchsorted(cdf_blocks, u, right=True).clamp(max=cdf_blocks.shape[1] - 1)  # [B, 1]
+    before = cdf_blocks.gather(1, (kb - 1).clamp(min=0)) * (kb > 0)  # [B, 1] mass of earlier blocks
+    inner = blocks.gather(1, kb[:, :, None].expand(b, 1, block)).squeeze(1).double().cumsum(-1)  # [B, block]
+    # rounding between the two levels must not push u past the block's last non-zero token
+    r = torch.minimum(u - before, torch.nextafter(inner[:, -1:], torch.zeros_like(u)))
+    return (kb * block + torch.searchsorted(inner, r, right=True)).squeeze(1)
+
+
+@torch.no_grad()
+def continue_batch(model, prompts: list[list[int]], opts: ContinuationOptions, eos: set[int],
+                   generator: torch.Generator | None = None) -> list[list[int]]:
+    """Continuations (each cut after its first EOS) of a batch of token-id prompts, in one batched loop."""
+    from transformers import DynamicCache
+
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    device = next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(b, width, dtype=torch.long)  # [B, T] left-padded
+    att = torch.zeros(b, width, dtype=torch.long)  # [B, T] 1 = real token
+    for k, p in enumerate(prompts):
+        ids[k, width - len(p):] = torch.tensor(p)
+        att[k, width - len(p):] = 1
+    ids, att = ids.to(device), att.to(device)
+    positions = (att.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config)
+    body = model.base_model
+    out = body(input_ids=ids, attention_mask=att, position_ids=positions, past_key_values=cache, use_cache=True)
+    tok = _pick(_head_logits(model, out.last_hidden_state[:, -1]), opts, generator)  # [B]
+    pos = positions[:, -1]  # [B]
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    generated = torch.empty(b, opts.new_tokens, dtype=torch.long, device=device)  # [B, N]
+    steps = opts.new_tokens
+    for i in range(opts.new_tokens):
+        generated[:, i] = tok
+        done |= torch.isin(tok, eos_ids)
+        if i + 1 == opts.new_tokens or bool(done.all()):  # one host sync a step, for the early stop
+            steps = i + 1
+            break
+        att = torch.cat([att, torch.ones(b, 1, dtype=att.dtype, device=device)], dim=1)
+        pos = pos + 1
+        out = body(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None], past_key_values=cache,
+                   use_cache=True)
+        tok = _pick(_head_logits(model, out.last_hidden_state[:, -1]), opts, generator)
+    rows = generated[:, :steps].tolist()
+    conts = []
+    for row in rows:
+        cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        conts.append(row[:cut])
+    return conts
+
+
+def _fingerprint(prompt_ids: list[list[int]], opts: ContinuationOptions, model_name: str) -> str:
+    h = hashlib.sha256(json.dumps({"opts": asdict(opts), "model": model_name, "format": FORMAT},
+                                  sort_keys=True).encode())
+    for p in prompt_ids:
+        h.update(len(p).to_bytes(4, "little"))
+        h.update(torch.tensor(p, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_continuations(model, prompt_ids: list[list[int]], out_dir: str | Path,
+                        opts: ContinuationOptions = ContinuationOptions(), *, eos: set[int],
+                        model_name: str = "", time_limit_s: float | None = None, progress: bool = True) -> dict:
+    """Generate continuations of ``prompt_ids`` chunk by chunk into ``out_dir``; resumes; returns the manifest.
+
+    Chunk ``c`` covers prompts ``[c * chunk_size, (c + 1) * chunk_size)`` and is sampled with a
+    generator seeded by ``(seed, c)``, so a chunk's content does not depend on where a run stopped.
+    Stops after a finished chunk once ``time_limit_s`` is spent.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    prompts = [list(map(int, p))[-opts.max_prompt_tokens:] for p in prompt_ids]
+    fp = _fingerprint(prompts, opts, model_name)
+    mpath = out / MANIFEST
+    n_chunks = -(-len(prompts) // opts.chunk_size)
+    if mpath.exists():
+        manifest = json.loads(mpath.read_text())
+        if manifest.get("fingerprint") != fp:
+            raise ValueError(f"{out} holds continuations of other prompts or options; use another directory")
+    else:
+        manifest = {"format": FORMAT, "fingerprint": fp, "options": asdict(opts), "model": model_name,
+                    "num_prompts": len(prompts), "num_chunks": n_chunks, "chunks_done": [],
+                    "generated_tokens": 0, "seconds": 0.0, "complete": False}
+        atomic_write_json(mpath, manifest)
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    for c in range(n_chunks):
+        if c in manifest["chunks_done"]:
+            continue
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            break
+        t0 = time.perf_counter()
+        gen = torch.Generator(device=device).manual_seed(opts.seed * 1_000_003 + c)
+        lo, hi = c * opts.chunk_size, min((c + 1) * opts.chunk_size, len(prompts))
+        # within a chunk, similar lengths share a batch (less padding); the order is deterministic
+        order = sorted(range(lo, hi), key=lambda j: (len(prompts[j]), j))
+        conts: dict[int, list[int]] = {}
+        for s in range(0, len(order), opts.batch_size):
+            idx = order[s:s + opts.batch_size]
+            for j, cont in zip(idx, continue_batch(model, [prompts[j] for j in idx], opts, eos, gen)):
+                conts[j] = cont
+        rows = [{"index": j, "prompt_tokens": len(prompts[j]), "continuation": conts[j]} for j in range(lo, hi)]
+        atomic_write_json(out / f"chunk-{c:05d}.json", {"chunk": c, "rows": rows}, indent=None)
+        dt = time.perf_counter() - t0
+        manifest["chunks_done"] = sorted(manifest["chunks_done"] + [c])
+        manifest["generated_tokens"] += sum(len(r["continuation"]) for r in rows)
+        manifest["seconds"] += dt
+        manifest["complete"] = len(manifest["chunks_done"]) == n_chunks
+        atomic_write_json(mpath, manifest)
+        if progress:
+            rate = manifest["generated_tokens"] / max(manifest["seconds"], 1e-9)
+            print(f"continuations: chunk {c + 1}/{n_chunks} in {dt:.0f} s, {manifest['generated_tokens']} tokens "
+                  f"so far ({rate:.1f} tokens/s)", flush=True)
+    return manifest
+
+
+def read_continuations(out_dir: str | Path) -> list[dict]:
+    """Every stored row ``{"index", "prompt_tokens", "continuation"}`` of a continuation folder, by index."""
+    out = Path(out_dir)
+    rows = []
+    for c in json.loads((out / MANIFEST).read_text())["chunks_done"]:
+        rows.extend(json.loads((out / f"chunk-{c:05d}.json").read_text())["rows"])
+    return sorted(rows, key=lambda r: r["index"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m treespec.distill.continuations --name NAME --mode greedy --rows 0:6000 ...``"""
+    import argparse
+    import sys
+
+    from .corpus import check_not_eval, read_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m treespec.distill.continuations",
+                                 description="the target's own continuations of train prompts, in resumable chunks")
+    ap.add_argument("--prompts", default=None, help="train prompts jsonl (default: ../shared/data/train)")
+    ap.add_argument("--name", required=True, help="folder under <cache>/distill/continuations/")
+    ap.add_argument("--rows", default="0:", help="START:END of the seeded prompt order (seed 0)")
+    ap.add_argument("--mode", choices=["greedy", "sample"], default="greedy")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--chunk-size", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--time-limit", type=float, default=None, help="minutes; stops after a finished chunk")
+    args = ap.parse_args(argv)
+    from ..models.loading import cache_root, load_model, load_tokenizer
+    from .cli import DEFAULT_TRAIN
+
+    try:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+        opts = ContinuationOptions(mode=args.mode, temperature=args.temperature, new_tokens=args.new_tokens,
+                                   max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                                   chunk_size=args.chunk_size, seed=args.seed)
+        path = check_not_eval(args.prompts or DEFAULT_TRAIN)
+        start, _, end = args.rows.partition(":")
+        rows = read_prompts(path, seed=0)[int(start or 0): int(end) if end else None]
+        if not rows:
+            raise ValueError(f"--rows {args.rows} selects no prompts of {path}")
+    except ValueError as err:
+        print(f"treespec.distill.continuations: error: {err}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer("embedded")
+    model = load_model("embedded", dtype=args.dtype)
+    from ..generate import eos_token_ids
+
+    prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    out = cache_root() / "distill" / "continuations" / args.name
+    limit = None if args.time_limit is None else args.time_limit * 60
+    manifest = build_continuations(model, prompt_ids, out, opts, eos=eos_token_ids(model),
+                                   model_name="embedded:gemma-3-270m", time_limit_s=limit)
+    print(json.dumps({k: manifest[k] for k in ("num_prompts", "num_chunks", "generated_tokens", "seconds",
+                                               "complete")} | {"chunks_done": len(manifest["chunks_done"]),
+                                                               "dir": str(out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

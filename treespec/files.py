@@ -1,0 +1,93 @@
+"""Atomic file writes: a file is either its old content or its complete new content, never half.
+
+Every writer of a result, checkpoint, weights file or cache manifest in the project goes through
+:func:`atomic_write`: the content goes to a temporary file next to the target (same file system),
+is flushed to disk, and replaces the target with one ``os.replace``. A writer that fails removes its
+temporary file; one killed outright (``kill -9``) leaves a temporary whose name carries its process
+id, which :func:`remove_stale_temporaries` deletes on the next run once that process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+_TMP_MARK = ".tmp"
+
+
+def temporary_path(path: Path) -> Path:
+    """The temporary name used while writing ``path``: ``.NAME.tmpPID`` in the same folder."""
+    return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
+    """Call ``write(tmp)`` to produce the file, then move it onto ``path`` in one step.
+
+    ``write`` receives the temporary path and must create that file (``torch.save``,
+    ``safetensors.save_file``, ``Path.write_text``...). On any exception the temporary is removed
+    and ``path`` keeps its previous content (or stays absent).
+    """
+    path = Path(path)
+    tmp = temporary_path(path)
+    try:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Atomically write ``text`` (UTF-8) to ``path``."""
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | Path, data: Any, *, indent: int | None = 1) -> None:
+    """Atomically write ``data`` as JSON to ``path``."""
+    atomic_write_text(path, json.dumps(data, indent=indent))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this process counts; one owned by another user too)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+_TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)$")
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Delete the temporaries that writers killed in ``folder`` left behind (their process is gone).
+
+    Returns the removed paths. Temporaries of live processes (a concurrent writer) are kept.
+    """
+    folder = Path(folder)
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        m = _TMP_RE.match(entry.name)
+        if m is None or entry.is_symlink() or not entry.is_file():
+            continue
+        if not pid_alive(int(m.group("pid"))):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
