@@ -63,6 +63,55 @@ def start_forward(runner, tree: TokenTree | None, nodes: torch.Tensor | None,
     return m, n
 
 
+def forward_inputs(runner, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None
+                   ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """:func:`start_forward`, then the token ids ``[m + n]`` and positions ``[m + n]`` of one forward:
+    the chain right after the committed prefix, tree nodes at their depth past the root's position."""
+    device, base = runner.device, runner.length
+    m, n = start_forward(runner, tree, nodes, chain)
+    ids_parts, pos_parts = [], []
+    if m:
+        ids_parts.append(chain.to(device))
+        pos_parts.append(torch.arange(base, base + m, device=device))
+    if n:
+        ids_parts.append(tree.tokens[nodes])
+        pos_parts.append(tree.depths[nodes] + runner.root_position)
+    ids = torch.cat(ids_parts) if len(ids_parts) > 1 else ids_parts[0]  # [m + n]
+    q_pos = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]  # [m + n]
+    return m, n, ids, q_pos
+
+
+def visible_keys(runner, nodes: torch.Tensor | None, m: int, n: int, base: int, total: int) -> torch.Tensor:
+    """``[m + n, total]`` bool: which cached keys each new query sees. The committed prefix (and
+    the chain, causally) for everyone; among tree nodes, their ancestors (earlier nodes of this tree
+    sit right after the prefix, in ``runner.slots`` order, the new ones at the end)."""
+    device = runner.device
+    visible = torch.zeros(m + n, total, dtype=torch.bool, device=device)
+    visible[:, :base] = True
+    if m:
+        visible[:m, base:base + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+        visible[m:, base:base + m] = True
+    if n:
+        key_nodes = torch.tensor(runner.slots + nodes.tolist(), dtype=torch.long, device=device)
+        visible[m:, base + m:] = runner.tree.ancestor_mask[nodes][:, key_nodes]  # [n, slots + n]
+    return visible
+
+
+def finish_forward(runner, hidden: torch.Tensor, base: int, m: int, nodes: torch.Tensor | None,
+                   need_logits: bool, need_hidden: bool) -> dict[str, torch.Tensor]:
+    """Bookkeeping after a forward (the chain is committed, the nodes join ``slots``) and its result."""
+    if m:
+        runner.length = base + m
+    if nodes is not None and nodes.numel():
+        runner.slots.extend(nodes.tolist())
+    result = {}
+    if need_logits:
+        result["logits"] = runner.logits(hidden)
+    if need_hidden:
+        result["hidden"] = hidden
+    return result
+
+
 class ModelRunner:
     """Wraps a causal LM: tree forwards over a rollback-able KV cache.
 
@@ -119,48 +168,17 @@ class ModelRunner:
         The chain is committed at once. Returns ``logits`` ``[m + n, V]`` (float32, rows in input
         order) and, if asked, ``hidden`` ``[m + n, H]``.
         """
-        device = self.device
         base = self.length
-        m, n = start_forward(self, tree, nodes, chain)
-        ids_parts, pos_parts = [], []
-        if m:
-            ids_parts.append(chain.to(device))
-            pos_parts.append(torch.arange(base, base + m, device=device))
-        if n:
-            ids_parts.append(tree.tokens[nodes])
-            pos_parts.append(tree.depths[nodes] + self.root_position)
-        ids = torch.cat(ids_parts)  # [m + n]
-        q_pos = torch.cat(pos_parts)  # [m + n]
+        m, n, ids, q_pos = forward_inputs(self, tree, nodes, chain)
         past = self.key_positions.numel()
         k_pos = torch.cat([self.key_positions, q_pos])  # [past + m + n]
-        # visibility: committed prefix (and the chain, causally) for everyone; tree ancestry among nodes
-        total = past + m + n
-        visible = torch.zeros(m + n, total, dtype=torch.bool, device=device)
-        visible[:, :base] = True
-        if m:
-            visible[:m, base:base + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-            visible[m:, base:base + m] = True
-        if n:
-            # earlier nodes of this tree sit right after the prefix (no chain then), new ones at the end
-            key_nodes = torch.tensor(self.slots + nodes.tolist(), dtype=torch.long, device=device)
-            visible[m:, base + m:] = self.tree.ancestor_mask[nodes][:, key_nodes]  # [n, slots + n]
-        mask = self._masks(visible, q_pos, k_pos)
+        mask = self._masks(visible_keys(self, nodes, m, n, base, past + m + n), q_pos, k_pos)
         out = self.model.base_model(
             input_ids=ids[None], attention_mask=mask, position_ids=q_pos[None],
             past_key_values=self.cache, use_cache=True,
         )
-        hidden = out.last_hidden_state[0]  # [m + n, H]
         self.key_positions = k_pos
-        if m:
-            self.length = base + m
-        if n:
-            self.slots.extend(nodes.tolist())
-        result = {}
-        if need_logits:
-            result["logits"] = self.logits(hidden)
-        if need_hidden:
-            result["hidden"] = hidden
-        return result
+        return finish_forward(self, out.last_hidden_state[0], base, m, nodes, need_logits, need_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (plus final soft-capping where the model has it): ``[..., H]`` -> float32 ``[..., V]``."""

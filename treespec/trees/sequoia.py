@@ -148,7 +148,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     from ..drafting.head import EagleHead
     from ..drafting.head_runner import head_depth_logits
     from ..drafting.medusa import MedusaHeads, medusa_depth_logits
-    from ..generate import DEFAULT_VERIFIER
+    from ..verify import DEFAULT_VERIFIER
     from ..verify import VERIFIER_RULES
 
     if depths < 1:
@@ -393,6 +393,10 @@ class HardwareProfile:
     verify_s: list[float]
     draft_step_s: float = 0.0
     meta: dict = field(default_factory=dict)
+    #: bandwidth reference measured in the same run: seconds to read every target weight byte once
+    #: (0 = not measured), and how many bytes that is
+    stream_s: float = 0.0
+    weight_bytes: int = 0
 
     def t(self, tokens: int) -> float:
         """Verify cost of ``tokens`` tokens relative to one token (linear interpolation)."""
@@ -432,15 +436,39 @@ def _time_tree_pass(runner, tokens: int, repeats: int, vocab: int) -> float:
 
 
 @torch.no_grad()
+def measure_weight_stream(model, repeats: int = 5) -> tuple[float, int]:
+    """(seconds, bytes): the median time to read every weight byte of ``model`` once (one
+    reduction per distinct parameter/buffer storage; tied weights count once): the memory-bandwidth
+    floor of a decoding step that reads all weights."""
+    seen, tensors = set(), []
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.numel())
+        if t.numel() and key not in seen:
+            seen.add(key)
+            tensors.append(t.detach())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    times = []
+    for _ in range(repeats + 1):  # the first pass warms up
+        t0 = time.perf_counter()
+        for t in tensors:
+            t.sum()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), nbytes
+
+
+@torch.no_grad()
 def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZES, prefix: int = 128,
-                    repeats: int = 3, draft_width: int = 4, warmup: int = 2) -> HardwareProfile:
+                    repeats: int = 3, draft_width: int = 4, warmup: int = 2, fast: bool = False,
+                    stream: bool = True) -> HardwareProfile:
     """Time target tree passes of ``sizes`` tokens after a ``prefix``-token context, and one draft
-    step (a ``draft_width``-node frontier) of ``draft`` (None: c = 0). Medians of ``repeats``."""
-    from ..models.runner import ModelRunner
+    step (a ``draft_width``-node frontier) of ``draft`` (None: c = 0). Medians of ``repeats``.
+    ``fast``: through the fast runners (:func:`treespec.models.fast.make_runner`) where they cover
+    the model. ``stream``: also time reading every target weight once (``stream_s``)."""
+    from ..models.fast import make_runner
 
     if sizes[0] != 1:
         raise ValueError("sizes must start at 1 (plain decoding)")
-    runner = target if isinstance(target, ModelRunner) else ModelRunner(target)
+    runner = make_runner(target, fast=fast)
     vocab = runner.vocab_size
     runner.reset()
     runner.forward(None, None, torch.arange(1, prefix + 1, device=runner.device) % vocab, need_logits=False)
@@ -449,7 +477,7 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
     verify = [_time_tree_pass(runner, n, repeats, vocab) for n in sizes]
     draft_s = 0.0
     if draft is not None:
-        drunner = draft if isinstance(draft, ModelRunner) else ModelRunner(draft)
+        drunner = make_runner(draft, fast=fast)
         drunner.reset()
         drunner.forward(None, None, torch.arange(1, prefix + 1, device=drunner.device) % drunner.vocab_size,
                         need_logits=False)
@@ -458,8 +486,10 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
         draft_s = _time_tree_pass(drunner, draft_width, repeats, drunner.vocab_size)
     meta = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "prefix": prefix, "repeats": repeats, "draft_width": draft_width,
-            "target": type(runner.model).__name__}
-    return HardwareProfile(list(sizes), verify, draft_s, meta)
+            "target": type(runner.model).__name__, "runner": type(runner).__name__,
+            "dtype": str(runner.dtype).replace("torch.", "")}
+    stream_s, nbytes = measure_weight_stream(runner.model, max(repeats, 3)) if stream else (0.0, 0)
+    return HardwareProfile(list(sizes), verify, draft_s, meta, stream_s, nbytes)
 
 
 def choose_tree(acc: list[float] | AcceptanceVector, profile: HardwareProfile, *,
