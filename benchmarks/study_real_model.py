@@ -21,7 +21,7 @@ Without replacement for n >= 3 is exact by default (``--wor exact``: ``ot_bounds
 and bound per position, tens of milliseconds at V = 262,144); the certified per-position bracket [lo, hi] of
 ``ot_bounds.study.wor_brackets`` is computed beside it, reported, and every exact value is checked to lie in it.
 ``--wor bracket`` skips the exact search and reports hi. Writes ``summary.json``, ``summary.md`` and
-``positions.npz`` to ``--out`` (default ``benchmarks/results/ot_study/``).
+``positions.npz`` (+ ``provenance.json``) to ``--out`` (default ``benchmarks/results/ot_study/<date>-<commit>/``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import SUBTASKS, git_commit, load_prompts, machine_info, write_json  # noqa: E402
+from benchmarks.common import SUBTASKS, add_output_args, finish, load_prompts, open_results, write_json  # noqa: E402
 from ot_bounds import study as st  # noqa: E402
 
 VERIFIER_NS = {"single": [1], "rrs": None, "kseq": None, "spechub": [2], "greedy_draft": None, "deterministic": None}
@@ -299,8 +299,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wor", choices=("exact", "bracket"), default="exact",
                     help="without replacement, n >= 3: the exact optimum per position, or the bracket's upper end")
     ap.add_argument("--small", action="store_true", help="1 prompt per subtask, 8 tokens, T in {0.7, 1.0}")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "ot_study")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    out, prov = open_results("ot_study", args.out, allow_dirty=args.allow_dirty)
     if args.small:
         args.per_subtask, args.new_tokens, args.temperatures, args.workers = 1, 8, [0.7, 1.0], 1
     torch.set_num_threads(args.threads)
@@ -343,8 +344,8 @@ def main(argv=None) -> int:
     sub_arr = np.array(subtasks)
     summary = summarise(metrics, sub_arr, args.temperatures, args.ns)
     settings = {
-        "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "layer": args.layer, "per_subtask": args.per_subtask,
+        "commit": prov["commit_short"] + ("-dirty" if prov["dirty"] else ""),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": prov["machine"], "layer": args.layer, "per_subtask": args.per_subtask,
         "prompt_ids": [p["id"] for p in prompts], "new_tokens": args.new_tokens,
         "gen_temperature": args.gen_temperature, "temperatures": args.temperatures, "ns": args.ns,
         "seed": args.seed, "positions": int(sub_arr.size),
@@ -358,14 +359,14 @@ def main(argv=None) -> int:
             "" if args.wor == "exact" else " (w/o replacement n >= 3: bracket upper end)"),
         "skipped": {"rrs_without_replacement": "no closed form at full vocabulary (O(V^n) recursion)"},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "summary.json", {"settings": settings, **summary})
-    (args.out / "summary.md").write_text(markdown(summary, settings))
-    np.savez_compressed(args.out / "positions.npz", subtask=sub_arr,
+    write_json(out / "summary.json", {"settings": settings, **summary})
+    (out / "summary.md").write_text(markdown(summary, settings))
+    np.savez_compressed(out / "positions.npz", subtask=sub_arr,
                         temperatures=np.array(args.temperatures), ns=np.array(args.ns),
                         **{k: v.astype(np.float32) for k, v in metrics.items()})
     print(f"{sub_arr.size} positions in {settings['runtime_s']:.0f} s (load {t_load:.0f}, collect "
-          f"{t_collect:.0f}, evaluation after the last collection {t_eval:.0f}); wrote {args.out}")
+          f"{t_collect:.0f}, evaluation after the last collection {t_eval:.0f}); wrote {out}")
+    finish(out, t0)
     if args.wor == "exact":
         bad = sum(sum(v["exact_outside"]) for v in summary["wor_bracket"].values())
         print(f"exact w/o-replacement optima outside the certified bracket: {bad}")

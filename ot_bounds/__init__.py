@@ -20,9 +20,7 @@ tree_acceptance_upper_bound,
 optimal_node_acceptance                  tree level (Sequoia's F(T) and its OT bound)
 release_workspace                        free this thread's reusable scratch buffers
 
-Submodules not imported here (they need torch / treespec):
-ot_bounds.scoring   monte_carlo_acceptance, rule_acceptance: treespec's own
-                    verifiers scored against verifier_acceptance
+Submodules not imported here:
 ot_bounds.study     batched full-vocabulary closed forms for the real-model
                     study (benchmarks/study_real_model.py)
 

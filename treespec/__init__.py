@@ -1,7 +1,7 @@
 """treespec: lossless multi-draft token-tree speculative decoding on PyTorch + Hugging Face."""
 
 from .drafting.base import Draft, Drafter, DraftState, NoDrafter
-from .drafting.model import ModelDrafter, StaticTreeShape
+from .trees.static import ModelDrafter, StaticTreeShape
 from .drafting.ngram import NgramConfig, NgramDrafter
 from .generate import GenerationConfig, GenerationResult, generate
 from .sampling import SamplingConfig

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
 from .drafting.base import Drafter
-from .drafting.model import ModelDrafter, StaticTreeShape
+from .trees.static import ModelDrafter, StaticTreeShape
 from .drafting.ngram import NgramConfig, NgramDrafter
 from .generate import GenerationConfig, generate
+from .models.fast import FastGemmaRunner, fast_supported, make_runner
+from .models.runner import ModelRunner
 from .sampling import SamplingConfig
 from .tree import DRAFT_LAWS
 from .verify import VERIFIERS
@@ -33,6 +36,55 @@ def _branching(text: str) -> tuple[int, ...]:
     if not widths or any(w < 1 for w in widths):
         raise argparse.ArgumentTypeError(f"--tree widths must be positive integers; got {text!r}")
     return widths
+
+
+#: the largest draft tree (nodes, root excluded) the CLI builds; bigger trees are refused before allocation
+MAX_TREE_NODES = 1024
+#: --draft words; anything else must be an existing local path, a hub id "owner/name", or early-exit:L
+DRAFT_WORDS = ("auto", "lookup+head", "head", "ngram", "none")
+
+
+class CliInputError(ValueError):
+    """A command-line value the CLI refuses before loading anything."""
+
+
+def tree_nodes(branching: tuple[int, ...]) -> int:
+    """Number of drafted nodes of a static tree with ``branching[d]`` children per node at depth d."""
+    total, level = 0, 1
+    for width in branching:
+        level *= width
+        total += level
+    return total
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.threads is not None and args.threads < 1:
+        raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise CliInputError(f"the prompt is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+    if args.tree is not None:
+        branching = (1,) * args.tree[0] if len(args.tree) == 1 else args.tree
+        nodes = args.tree[0] * args.tree[1] if args.draft == "ngram" and len(args.tree) == 2 else tree_nodes(branching)
+        if nodes > MAX_TREE_NODES:
+            raise CliInputError(f"--tree {','.join(map(str, args.tree))} asks for {nodes} draft nodes; "
+                                f"the limit is {MAX_TREE_NODES}")
+    draft = args.draft
+    if args.plain or draft in DRAFT_WORDS or draft.startswith("early-exit:"):
+        return
+    path = draft.removeprefix("lookup+")
+    if path.endswith(".safetensors") or draft.startswith("lookup+"):
+        if not os.path.isfile(path):
+            raise CliInputError(f"--draft {draft}: no head file {path!r}")
+        return
+    if os.path.exists(path):
+        return
+    if path.startswith(("/", ".", "~")) or os.sep + os.sep in path:
+        raise CliInputError(f"--draft {draft}: no draft model directory {path!r}")
+    if "/" not in draft:
+        raise CliInputError(f"unknown --draft {draft!r}: expected one of {', '.join(DRAFT_WORDS)}, early-exit:L, "
+                            f"a .safetensors head file, or an existing draft model directory")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="auto: bf16 where the CPU computes it natively, else fp32")
+                   help="auto: bf16 where the CPU computes it natively, else fp32. Every dtype is lossless with "
+                        "respect to the target as evaluated on tree passes; token-identity with --plain at "
+                        "temperature 0 is guaranteed only in float32 (bf16 tree passes round differently from "
+                        "one-token passes). See --exact")
+    g.add_argument("--exact", action="store_true",
+                   help="force float32 so that temperature-0 output is token-identical to --plain")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
+                   help="target forward: 'fast' = lean Gemma-3 forward over a static cache (the same function, "
+                        "tested against the eager one), 'eager' = the Hugging Face module, 'auto' = fast where it "
+                        "covers the model")
     g.add_argument("--plain", action="store_true", help="plain autoregressive decoding of the target, for comparison")
     g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
     g.add_argument("--json", action="store_true", help="print text, token_ids and statistics as JSON")
@@ -124,6 +185,32 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
                         target_model.get_output_embeddings().weight.shape[0])
 
 
+def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The model dtype the CLI uses: float32 under ``--exact`` (refusing ``--exact --dtype bfloat16``)."""
+    from .models.loading import resolve_dtype
+
+    if args.exact:
+        if args.dtype == "bfloat16":
+            raise CliInputError("--exact needs float32; it cannot be combined with --dtype bfloat16")
+        return torch.float32
+    return resolve_dtype(args.dtype)
+
+
+def _guarantee(dtype: torch.dtype, temperature: float, plain: bool) -> str:
+    if plain:
+        return "plain decoding"
+    if dtype == torch.float32:
+        return "lossless; T=0 token-identical to --plain" if temperature == 0 else "lossless"
+    return "lossless w.r.t. the target on tree passes; not token-identical to --plain (use --exact)"
+
+
+def _target_runner(target, choice: str) -> ModelRunner:
+    """The target's runner for ``--runner`` (``fast`` refuses a model the fast path does not cover)."""
+    if choice == "fast" and (reason := fast_supported(target)) is not None:
+        raise CliInputError(f"--runner fast: {reason}; use --runner eager or auto")
+    return make_runner(target, fast=choice != "eager")
+
+
 def run_generate(args) -> int:
     from .models.loading import load_model, load_tokenizer, resolve_dtype
 
@@ -134,7 +221,7 @@ def run_generate(args) -> int:
         raise ValueError("empty prompt: give some text to continue")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype)
+    dtype = resolve_cli_dtype(args)
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, dtype=dtype)
     drafter = _drafter(args, target, tokenizer, dtype)
@@ -150,19 +237,21 @@ def run_generate(args) -> int:
             print(text[len(shown["text"]):], end="", flush=True)
             shown["text"] = text
 
-    result = generate(target, prompt_ids, drafter, config, tokenizer=tokenizer, callback=stream)
+    runner = _target_runner(target, args.runner)
+    result = generate(runner, prompt_ids, drafter, config, tokenizer=tokenizer, callback=stream)
     summary = result.summary()
     info = {"method": "plain" if drafter is None else type(drafter).__name__,
-            "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature}
+            "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature,
+            "runner": "fast" if isinstance(runner, FastGemmaRunner) else "eager"}
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
                           "statistics": {**summary, **info,
                                          "accepted_per_step": [s.accepted for s in result.steps]}}))
     else:
         print()
-        print(f"[{info['method']}, {info['dtype']}] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
+        print(f"[{info['method']}, {info['dtype']}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
-              f"tau {summary['tau']:.2f}", file=sys.stderr)
+              f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None)}", file=sys.stderr)
     return 0
 
 
@@ -171,9 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     try:
         if args.command == "generate":
+            _check_args(args)
+            hub_draft = "/" in args.draft and not args.draft.endswith(".safetensors") and not os.path.exists(
+                args.draft.removeprefix("lookup+"))
+            if (os.path.exists(args.target) or args.target == "embedded") and not hub_draft:  # never contact a hub
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             return run_generate(args)
-    except ValueError as err:
-        print(f"treespec: error: {err}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, KeyError, TypeError, ImportError) as err:
+        # ValueError covers NonFiniteLogitsError, UnicodeError, JSON and safetensors header errors;
+        # OSError covers missing files and read-only caches
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"treespec: error: {type(err).__name__}: {message}", file=sys.stderr)
         return 2
     return 1
 

@@ -8,6 +8,7 @@ decoding.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,16 +18,7 @@ import torch
 from .drafting.base import Draft, Drafter, DraftState, NoDrafter
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig, logits_to_probs
-from .verify import VERIFIERS, VerifyResult
-
-#: draft law -> the verifier used when none is named (at temperature > 0)
-DEFAULT_VERIFIER = {
-    "iid": "rrs",
-    "without_replacement": "rrs_without_replacement",
-    "deterministic": "deterministic",
-    "greedy_draft": "greedy_draft",
-    "spechub": "spechub",
-}
+from .verify import DEFAULT_VERIFIER, VERIFIERS, VerifyResult
 
 
 @dataclass(frozen=True)
@@ -47,6 +39,10 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.verifier != "auto" and self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; expected 'auto' or one of {sorted(VERIFIERS)}")
+        if self.verifier == "greedy" and not self.sampling.greedy:
+            raise ValueError(f"verifier 'greedy' needs temperature 0 (it would output the argmax whatever the "
+                             f"seed); got temperature {self.sampling.temperature}: use --verifier auto or a "
+                             f"sampling verifier")
 
 
 @dataclass
@@ -117,8 +113,44 @@ def _resolve_verifier(name: str, law: str, sampling: SamplingConfig) -> tuple[st
     return name, VERIFIERS[name]
 
 
-@torch.no_grad()
+class ConcurrentDrafterError(RuntimeError):
+    """Raised when a drafter (or a target runner) already generating in one call is passed to
+    generate() again before that call returns (another thread, or a callback)."""
+
+
+_IN_USE: dict[int, int] = {}  # id(drafter or runner) -> thread ident of the generate() call using it
+_IN_USE_LOCK = threading.Lock()
+
+
 def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
+             drafter: Drafter | None = None, config: GenerationConfig = GenerationConfig(), **kwargs
+             ) -> GenerationResult:
+    """See :func:`_generate`. A drafter holds per-request state (its KV cache, its draft history) and
+    so does a :class:`ModelRunner` (the target's KV cache): each serves one request at a time; using
+    one from two calls at once raises :class:`ConcurrentDrafterError` (give each thread its own
+    drafter and runner; a bare model passed as ``target`` gets a fresh runner per call)."""
+    owned = [obj for obj in (drafter, target if isinstance(target, ModelRunner) else None) if obj is not None]
+    me = threading.get_ident()
+    with _IN_USE_LOCK:
+        for obj in owned:
+            owner = _IN_USE.get(id(obj))
+            if owner is not None:
+                what = "runner" if obj is target else "drafter"
+                raise ConcurrentDrafterError(
+                    f"{type(obj).__name__} is already generating in another call (thread {owner}); a {what} "
+                    f"holds per-request state: give each thread its own {what}")
+        for obj in owned:
+            _IN_USE[id(obj)] = me
+    try:
+        return _generate(target, prompt_ids, drafter, config, **kwargs)
+    finally:
+        with _IN_USE_LOCK:
+            for obj in owned:
+                del _IN_USE[id(obj)]
+
+
+@torch.no_grad()
+def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
              drafter: Drafter | None = None, config: GenerationConfig = GenerationConfig(), *,
              tokenizer=None, callback: Callable[[list[int]], None] | None = None,
              eos_ids: set[int] | None = None) -> GenerationResult:

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 import torch
 
 
+#: the smallest positive temperature accepted (logits / T stays finite in float32 for |logits| < 3e35)
+MIN_TEMPERATURE = 1e-3
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How next-token distributions are formed.
@@ -31,6 +35,9 @@ class SamplingConfig:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature!r}: "
+                             f"smaller values overflow logits / temperature")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
@@ -66,6 +73,7 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     if config.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    check_finite(logits, "a model (target or draft)")  # else NaN reaches torch.multinomial as a raw error
     logits = logits / config.temperature
     vocab = logits.shape[-1]
     if 0 < config.top_k < vocab:
@@ -77,6 +85,7 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         # keep a token if the mass strictly before it is < top_p (the top token is always kept)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
         keep_sorted = before < config.top_p
+        keep_sorted[..., 0] = True  # a top_p below float32's resolution (e.g. 1e-300 -> 0) still keeps the top token
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)

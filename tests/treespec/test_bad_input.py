@@ -6,7 +6,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from treespec.cli import main as cli_main
-from treespec.drafting.model import ModelDrafter, StaticTreeShape
+from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.compat import check_tokenizers, check_vocab_sizes

@@ -19,7 +19,7 @@ from treespec.drafting.base import DraftState
 from treespec.drafting.head import EagleHead, HeadDrafter
 from treespec.drafting.hybrid import LookupHeadDrafter
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
-from treespec.drafting.model import StaticTreeShape
+from treespec.trees.static import StaticTreeShape
 from treespec.generate import GenerationConfig, generate
 from benchmarks.common import TRAIN_PROMPTS
 from treespec.models.tiny import tiny_model
@@ -91,9 +91,15 @@ def test_corpus_shards_and_resume(target, corpus, tmp_path):
         check_not_eval("../shared/data/eval/spec_bench.prompts.jsonl")
 
 
-def test_training_learns_and_saves(target, trained):
+def test_training_learns_and_saves(target, corpus, trained, tmp_path):
     run, head, summary = trained
     assert summary["step"] == CFG.steps
+    # learns: the same run stopped after one step reports the untrained head's loss (its EMA is the
+    # first batch's loss); after CFG.steps the loss EMA must be clearly below it
+    with torch.enable_grad():
+        _, first = train(target, corpus[0], tmp_path / "one", TrainConfig(**{**CFG.__dict__, "steps": 1}),
+                         progress=False, log=lambda *_: None)
+    assert summary["ema"]["total"] < 0.8 * first["ema"]["total"], (summary["ema"], first["ema"])
     loaded = EagleHead.load(run / "head.safetensors", target)
     assert torch.equal(loaded.vocab_ids, head.vocab_ids)
     x = torch.randn(1, 5, 32)
@@ -168,11 +174,26 @@ def test_confidence_pruning_keeps_only_confident_children(target, trained):
         drafter = HeadDrafter(head, StaticTreeShape((4, 2)), min_confidence=threshold)
         drafter.begin(prompt)
         draft = drafter.propose(DraftState(prompt, 8, hidden), SamplingConfig(0.0), None)
+        assert draft.tree.law == "deterministic"
+        parents = draft.tree.parents.tolist()
         if threshold == 0.0:
             assert draft.tree.num_nodes == 1 + 4 + 8
-        else:
-            assert draft.tree.num_nodes <= 1 + 4 + 8
-        assert draft.tree.law == "deterministic"
+            full = draft.tree
+            continue
+        # the confidences of one node's children sum to <= 1, so at most floor(1 / threshold) of
+        # them can be >= threshold: with pruning off, (4, 2) keeps 4 children at the root
+        per_node = [parents[1:].count(i) for i in range(draft.tree.num_nodes)]
+        assert max(per_node) <= int(1 / threshold), (threshold, per_node)
+        # and what is kept is a subtree of the unpruned top-k tree (same tokens on the same paths)
+        def token_paths(tree):
+            par, tok, out = tree.parents.tolist(), tree.tokens.tolist(), set()
+            for i in range(1, tree.num_nodes):
+                path, j = [], i
+                while j > 0:
+                    path.append(tok[j]); j = par[j]
+                out.add(tuple(reversed(path)))
+            return out
+        assert token_paths(draft.tree) <= token_paths(full)
     with pytest.raises(ValueError, match="min_confidence"):
         HeadDrafter(head, StaticTreeShape((1,)), min_confidence=1.0)
 

@@ -10,7 +10,7 @@ seeds 0..N-1, N = 400, G test with cells of expected count < 5 pooled, alpha = 1
 import pytest
 import torch
 
-from treespec.drafting.model import ModelDrafter, StaticTreeShape
+from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.generate import GenerationConfig, generate
 from treespec.models.early_exit import early_exit_model
 from treespec.models.tiny import tiny_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treespec.cli import main as cli_main
-from treespec.drafting.model import ModelDrafter, StaticTreeShape
+from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.drafting.shipped import load_default_medusa
 from treespec.generate import GenerationConfig, generate

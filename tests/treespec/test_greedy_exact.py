@@ -5,7 +5,7 @@ Llama, GPT-2 and Gemma-3 models (fp32; the Gemma-3 generation crosses its slidin
 import pytest
 import torch
 
-from treespec.drafting.model import ModelDrafter, StaticTreeShape
+from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import ARCHITECTURES, tiny_model

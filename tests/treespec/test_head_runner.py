@@ -17,7 +17,7 @@ import torch
 from treespec.drafting.base import DraftState
 from treespec.drafting.head import HeadDrafter
 from treespec.drafting.head_runner import HeadRunner, head_depth_logits
-from treespec.drafting.model import StaticTreeShape
+from treespec.trees.static import StaticTreeShape
 from treespec.drafting.ngram import NgramConfig
 from treespec.generate import GenerationConfig, generate
 from treespec.sampling import SamplingConfig

@@ -16,6 +16,8 @@ def stub_cache(tmp_path, monkeypatch):
         calls.append(out_dir)
         (out_dir / "model.safetensors").write_bytes(b"weights" * 100)
         (out_dir / "config.json").write_text("{}")
+        (out_dir / "tokenizer.json").write_text('{"model": {}}')
+        (out_dir / "tokenizer_config.json").write_text("{}")
 
     monkeypatch.setattr(loading, "_convert_embedded_gemma", fake_convert)
     return tmp_path, calls
@@ -59,3 +61,28 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
         loading.embedded_gemma_dir(progress=False)
     leftovers = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
     assert leftovers == []
+
+
+def _rewrite_manifest(cache, edit):
+    import json
+
+    path = cache / "treespec-manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("drop", ["model.safetensors", "config.json", "tokenizer.json", "format"])
+def test_manifest_missing_a_required_entry_is_rebuilt(stub_cache, drop):
+    root, calls = stub_cache
+    cache = loading.embedded_gemma_dir(progress=False)
+    if drop == "format":
+        _rewrite_manifest(cache, lambda m: m.pop("format"))
+    else:
+        _rewrite_manifest(cache, lambda m: m["files"].pop(drop))
+        if drop == "model.safetensors":  # the manifest lists only the small files, weights are junk
+            (cache / "model.safetensors").write_bytes(b"junk")
+    assert not loading.cache_is_valid(cache)
+    assert loading.embedded_gemma_dir(progress=False) == cache
+    assert len(calls) == 2 and loading.cache_is_valid(cache)
+    assert (cache / "model.safetensors").read_bytes() == b"weights" * 100

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from treespec.drafting.head import HeadDrafter
-from treespec.drafting.model import StaticTreeShape
+from treespec.trees.static import StaticTreeShape
 from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.sampling import SamplingConfig

@@ -57,8 +57,8 @@ def _combos():
                 if builder == "shape" else laws_of[builder]
             for law in (allowed if laws is None else laws):
                 if law in allowed and (laws is None or law in laws):
-                    if verifier == "greedy" and builder == "shape":
-                        continue  # the greedy verifier is exercised at temperature 0 above
+                    if verifier == "greedy":
+                        continue  # greedy: temperature 0 only (above); refused at T > 0 (test_bad_input.py)
                     out.append((builder, law, verifier))
     return out
 

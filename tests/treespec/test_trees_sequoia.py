@@ -1,14 +1,16 @@
 """Sequoia: the DP equals brute force over all trees of <= 7 nodes, predicted tau, the measured
 acceptance vector, the hardware profile's JSON form and the (n, d) choice."""
 
+import json
 import math
+import os
+from pathlib import Path
 
 
 import numpy as np
 import pytest
 import torch
 
-from benchmarks.common import TRAIN_PROMPTS
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 from treespec.trees.sequoia import (
@@ -107,9 +109,22 @@ def test_acceptance_vector_measurement(tmp_path):
     assert AcceptanceVector.load(tmp_path / "acc.json") == vec
 
 
+#: the shared data folder (``$TREESPEC_SHARED`` or ``../shared`` next to the repository)
+SHARED = Path(os.environ.get("TREESPEC_SHARED") or Path(__file__).resolve().parents[3] / "shared")
+TRAIN_PROMPTS = SHARED / "data" / "train" / "train_prompts.jsonl"
+EVAL_PROMPTS = SHARED / "data" / "eval" / "spec_bench.prompts.jsonl"
+
+
+def _prompt_texts(path):
+    return [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+
+
+@pytest.mark.skipif(not TRAIN_PROMPTS.exists() or not EVAL_PROMPTS.exists(), reason="shared data not present")
 def test_calibration_prompts_are_train_prompts():
-    prompts = read_prompts(TRAIN_PROMPTS, limit=3)
-    assert len(prompts) == 3 and all(isinstance(p, str) and p for p in prompts)
+    """Calibration reads the train split, row for row, and none of it is an evaluation prompt."""
+    prompts = read_prompts(TRAIN_PROMPTS, limit=50)
+    assert prompts == _prompt_texts(TRAIN_PROMPTS)[:50]
+    assert not set(prompts) & set(_prompt_texts(EVAL_PROMPTS))
 
 
 def test_profile_round_trip_and_choice(tmp_path):

@@ -28,14 +28,18 @@ import pytest
 import torch
 from scipy import optimize, stats
 
+from stats_helpers import g_test
 from treespec.drafting.laws import draw_children
 from treespec.tree import DRAFT_LAWS, TokenTree
-from treespec.verify import LAW_OF_VERIFIER, VERIFIER_LAWS, VERIFIER_RULES, VERIFIERS, output_law
+from treespec.verify import DEFAULT_VERIFIER, LAW_OF_VERIFIER, VERIFIER_LAWS, VERIFIER_RULES, VERIFIERS, output_law
 from treespec.verify.core import verify_tree
 from treespec.verify.rules import _normalise, _ratio
 
 DT = torch.float64
 ALPHA = 1e-3
+#: statistical tests here (marked ``stats``): alpha = 1e-3, fixed numpy/torch seeds per test. For a
+#: G test with N samples and df cells-1, power 0.9 needs noncentrality lambda (df 5: 29.2, df 10: 35.1,
+#: df 20: 43.3, df 40: 54.9), i.e. detects KL >= lambda / (2 N) nats, TV >= sqrt(lambda / (4 N)).
 ALL_VERIFIERS = tuple(VERIFIERS)
 
 
@@ -322,29 +326,6 @@ def test_exact_law_test_catches_broken_rules(broken, name):
 
 
 # ====================================================================== statistics helpers
-def g_test(counts, probs, min_expected=5.0):
-    """p-value of the G test of ``counts`` against ``probs`` (1-D arrays over the same categories)."""
-    counts = np.asarray(counts, dtype=float)
-    probs = np.asarray(probs, dtype=float)
-    probs = np.where(probs < 1e-15, 0.0, probs)
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    total = counts.sum()
-    expected = probs * total
-    big = expected >= min_expected
-    obs = list(counts[big])
-    exp = list(expected[big])
-    if expected[~big].sum() > 0:
-        obs.append(counts[~big].sum())
-        exp.append(expected[~big].sum())
-    obs, exp = np.array(obs), np.array(exp)
-    if len(obs) < 2:
-        return 1.0
-    nz = obs > 0
-    g = 2.0 * float((obs[nz] * np.log(obs[nz] / exp[nz])).sum())
-    return float(stats.chi2.sf(g, len(obs) - 1))
-
-
 # ====================================================================== 2. loop reference
 def _pos_norm(x, fallback):
     x = np.clip(x, 0.0, None)
@@ -487,6 +468,7 @@ def _loop_cases(name, seed):
     return out
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("name", ALL_VERIFIERS)
 def test_loop_reference_matches_rule(name):
     # seed 10 + case index, 2000 samples per case, alpha = 1e-3 per case
@@ -495,6 +477,7 @@ def test_loop_reference_matches_rule(name):
         assert pval > ALPHA, (name, p, q, xs, pval)
 
 
+@pytest.mark.stats
 def test_loop_reference_twin_broken_rrs_fails():
     # The rule forgets the residual update; the textbook loop does it. 2000 samples, seed 3.
     p = np.array([0.1, 0.5, 0.4, 0.0])
@@ -568,6 +551,7 @@ def _sample_outcomes(verify, tree, target, draft, num_samples, seed):
     return counts
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("name", ALL_VERIFIERS)
 def test_tree_sampling_follows_composed_law(name):
     # seed 7 for drafting, seed 11 for verification, 600 verifications, alpha = 1e-3
@@ -579,6 +563,7 @@ def test_tree_sampling_follows_composed_law(name):
     assert pval > ALPHA, (name, pval)
 
 
+@pytest.mark.stats
 def test_tree_sampling_twin_broken_verifier_fails():
     # verify_tree driven by the RRS rule without the residual update; 600 verifications, seed 11.
     tree = TokenTree.from_lists([-1, 0, 0, 0, 1, 1], [0, 0, 0, 1, 2, 2], "iid")
@@ -595,6 +580,7 @@ def test_tree_sampling_twin_broken_verifier_fails():
     assert g_test(bad.ravel(), law.numpy().ravel()) < 1e-6
 
 
+@pytest.mark.stats
 def test_tree_sampling_twin_wrong_temperature_fails():
     # Children drawn from q at temperature 1, verified with q at temperature 0.5: 600 verifications.
     tree = TokenTree.from_lists([-1, 0, 0], [0, 1, 2], "iid")
@@ -668,6 +654,20 @@ def test_registries_agree():
     for name, law in LAW_OF_VERIFIER.items():
         assert law in DRAFT_LAWS
         assert VERIFIER_LAWS[name] is None or law in VERIFIER_LAWS[name]
+    for law, name in DEFAULT_VERIFIER.items():
+        assert law in DRAFT_LAWS and LAW_OF_VERIFIER[name] == law
+
+
+def test_engine_and_ot_bounds_verifier_tables_agree():
+    """ot_bounds may not import treespec, so it keeps its own verifier -> law table; the two
+    must name the same verifiers (ot_bounds has no "greedy") under the same draft law
+    (ot_bounds spells the engine's "greedy_draft" law "greedy")."""
+    import ot_bounds.verifiers as ob
+
+    spelling = {"greedy_draft": "greedy"}
+    assert set(ob.VERIFIERS) == set(ob.VERIFIER_LAW) == set(LAW_OF_VERIFIER) - {"greedy"}
+    for name, law in ob.VERIFIER_LAW.items():
+        assert spelling.get(LAW_OF_VERIFIER[name], LAW_OF_VERIFIER[name]) == law, name
 
 
 # ====================================================================== K-SEQ details

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_write_json
+from .inputs import DistillInputError, read_head_file
+
 DEFAULT_TRAIN = "../shared/data/train/train_prompts.jsonl"
 DEFAULT_EVAL = "../shared/data/eval/spec_bench.prompts.jsonl"
 
@@ -128,15 +131,43 @@ def _corpus_dir(name_or_dir: str) -> Path:
 
 def _training_setup(args, config_cls, load_model):
     """(config from the options, target, run directory, corpus directories) of a training command."""
+    from .corpus import load_manifest
+
     fields = {k: getattr(args, k) for k in config_cls().__dict__ if k != "time_limit_s"}
     cfg = config_cls(**fields, time_limit_s=None if args.time_limit is None else args.time_limit * 60)
+    corpora = [_corpus_dir(c) for c in args.corpus.split(",")]
+    for c in corpora:
+        load_manifest(c)  # a missing corpus is reported before the target is loaded
     model = load_model(args.target, dtype=args.dtype)
     run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
-    return cfg, model, run_dir, [_corpus_dir(c) for c in args.corpus.split(",")]
+    return cfg, model, run_dir, corpora
+
+
+def _check_numbers(args) -> None:
+    """Options that argparse types cannot bound: a bad value is a :class:`DistillInputError`."""
+    lows = {"threads": 1, "max_prompts": 1, "max_len": 2, "num_prompts": 1, "max_prompt_len": 1,
+            "new_tokens": 1, "tau_prompts": 1}
+    for name, low in lows.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise DistillInputError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    limit = getattr(args, "time_limit", None)
+    if limit is not None and not limit > 0:
+        raise DistillInputError(f"--time-limit must be > 0 minutes, got {limit}")
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one distill command; bad input ends it with one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
+    try:
+        _check_numbers(args)
+        _run(args)
+    except DistillInputError as err:
+        print(f"python -m treespec.distill {args.command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(args) -> None:
     torch.set_num_threads(args.threads)
     from ..models.loading import load_model, load_tokenizer  # noqa: F401 (used by most commands)
 
@@ -145,13 +176,13 @@ def main(argv: list[str] | None = None) -> None:
 
         check_not_eval(args.prompts)
         rows = read_prompts(args.prompts, limit=args.max_prompts, seed=args.seed)
+        opts = CorpusOptions(topk=args.topk, shard_positions=args.shard_positions, batch_size=args.batch_size,
+                             continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed)
         tok = load_tokenizer(args.target)
         seqs = order_for_batching(_tokenize(tok, rows, args.max_len)) if args.batch_size > 1 else \
             _tokenize(tok, rows, args.max_len)
         model = load_model(args.target, dtype=args.dtype)
         out = Path(args.out) if args.out else _root() / "corpus" / args.name
-        opts = CorpusOptions(topk=args.topk, shard_positions=args.shard_positions, batch_size=args.batch_size,
-                             continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed)
         man = build_corpus(model, seqs, out, opts, progress=not args.no_progress,
                            time_limit_s=None if args.time_limit is None else args.time_limit * 60)
         print(json.dumps({"corpus": str(out), "positions": man["positions"], "sequences": man["sequences_done"],
@@ -165,13 +196,19 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "medusa":
         from .medusa import MedusaTrainConfig, evaluate_medusa, train_medusa
 
-        cfg, model, run_dir, corpora = _training_setup(args, MedusaTrainConfig, load_model)
-        weights = [float(w) for w in args.corpus_weights.split(",")] if args.corpus_weights else None
+        try:
+            weights = [float(w) for w in args.corpus_weights.split(",")] if args.corpus_weights else None
+        except ValueError:
+            raise DistillInputError(f"--corpus-weights {args.corpus_weights!r}: expected comma-separated numbers") \
+                from None
+        if weights is not None and not all(w >= 0 for w in weights) or weights is not None and not sum(weights) > 0:
+            raise DistillInputError(f"--corpus-weights {args.corpus_weights!r}: need weights >= 0, not all 0")
         vocab = None
         if args.vocab_from:
             from ..drafting.head import EagleHead
 
-            vocab = EagleHead.load(args.vocab_from).vocab_ids
+            vocab = read_head_file(args.vocab_from, EagleHead.load).vocab_ids
+        cfg, model, run_dir, corpora = _training_setup(args, MedusaTrainConfig, load_model)
         heads, summary = train_medusa(model, corpora, run_dir, cfg, corpus_weights=weights, vocab_ids=vocab,
                                       progress=not args.no_progress)
         if args.evaluate:
@@ -202,11 +239,15 @@ def main(argv: list[str] | None = None) -> None:
         from .corpus import read_prompts
         from .evaluate import chain_tau, one_step_metrics, step_cost, target_generations
 
+        path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
+        head = read_head_file(path, EagleHead.load)  # bad files are reported before the target is loaded
+        rows = read_prompts(args.prompts, limit=args.num_prompts, seed=1234)
         model = load_model(args.target, dtype=args.dtype)
         tok = load_tokenizer(args.target)
-        path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
-        head = EagleHead.load(path, model)
-        rows = read_prompts(args.prompts, limit=args.num_prompts, seed=1234)
+        try:
+            head.attach(model)
+        except ValueError as err:
+            raise DistillInputError(f"head file {path}: {err}") from None
         prompts = [p[-args.max_prompt_len:] if len(p) > args.max_prompt_len else p
                    for p in _tokenize(tok, rows, 10**9)]
         cache = _root() / "eval-cache"
@@ -227,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             result["tau_chain4_T1"] = chain_tau(model, head, tp, 4, 1.0, args.new_tokens)
         print(json.dumps(result, indent=1))
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1))
+            atomic_write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -30,29 +30,86 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
+from .inputs import DistillInputError, require_dir, require_file
+
 MANIFEST = "manifest.json"
 CORPUS_FORMAT = 1
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def shared_dir() -> Path:
+    """The shared data folder: ``$TREESPEC_SHARED``, else ``../shared`` next to the repository."""
+    env = os.environ.get("TREESPEC_SHARED")
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared"
+
+
+EVAL_SETS = ("spec_bench.prompts.jsonl", "humaneval.prompts.jsonl")
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def eval_prompts() -> set[str]:
+    """Every prompt of the evaluation sets (``<shared>/data/eval``), whitespace-normalised."""
+    found: set[str] = set()
+    for name in EVAL_SETS:
+        path = shared_dir() / "data" / "eval" / name
+        if path.is_file():
+            found.update(_normalise(r["prompt"]) for r in _rows(path) if isinstance(r.get("prompt"), str))
+    return found
 
 
 def check_not_eval(path: str | Path) -> Path:
-    """Refuse evaluation data as training input (the eval set is used only to measure)."""
+    """Refuse evaluation data as training input (the eval set is used only to measure).
+
+    By location / name (``data/eval``, ``spec_bench``, ``humaneval``, ``eval``) and by content: a
+    file with any prompt equal, up to whitespace, to a prompt of the evaluation sets is refused,
+    whatever it is called.
+    """
     p = Path(path).resolve()
     parts = p.parts
     if any(a == "data" and b == "eval" for a, b in zip(parts, parts[1:])) or "eval" in p.name.lower() \
             or "spec_bench" in p.name or "humaneval" in p.name.lower():
-        raise ValueError(f"{path}: evaluation data must never be used to build a training corpus")
+        raise DistillInputError(f"{path}: evaluation data must never be used to build a training corpus")
+    held_out = eval_prompts()
+    for i, row in enumerate(_rows(p)):
+        if isinstance(row.get("prompt"), str) and _normalise(row["prompt"]) in held_out:
+            raise DistillInputError(f"{path}: prompt {i + 1} is a prompt of the evaluation set "
+                                    f"({shared_dir() / 'data' / 'eval'}); evaluation data must never be "
+                                    "used to build a training corpus")
     return p
+
+
+def _rows(path: str | Path) -> list[dict]:
+    """The JSON objects of a jsonl file, with bad files reported as :class:`DistillInputError`."""
+    path = require_file(path, "prompts file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DistillInputError(f"prompts file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DistillInputError(f"prompts file {path}, line {n}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise DistillInputError(f"prompts file {path}, line {n}: expected a JSON object")
+        rows.append(row)
+    return rows
 
 
 def read_prompts(path: str | Path, *, limit: int | None = None, seed: int = 0) -> list[dict]:
     """Rows of a ``{"prompt": ...}`` jsonl file in a seeded random order (the first ``limit``)."""
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
+    rows = _rows(path)
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row.get("prompt"), str):
+            raise DistillInputError(f"prompts file {path}, row {n}: no \"prompt\" string")
+    if not rows:
+        raise DistillInputError(f"prompts file {path}: no prompts")
     random.Random(seed).shuffle(rows)
     return rows[:limit] if limit else rows
 
@@ -75,10 +132,18 @@ class CorpusOptions:
     new_tokens: int = 64  # continuation length
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name, low in (("topk", 0), ("shard_positions", 1), ("batch_size", 1), ("logits_chunk", 1),
+                          ("new_tokens", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise DistillInputError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The target's LM head (+ final soft-capping) in float32."""
-    logits = model.get_output_embeddings()(hidden).float()
+    head = model.get_output_embeddings()
+    logits = head(hidden.to(head.weight.dtype)).float()
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cap = getattr(text, "final_logit_softcapping", None)
     if cap:
@@ -95,7 +160,12 @@ def _fingerprint(seqs: list[list[int]], opts: CorpusOptions) -> str:
 
 
 def load_manifest(out_dir: str | Path) -> dict:
-    return json.loads((Path(out_dir) / MANIFEST).read_text())
+    """The manifest of a corpus folder (:class:`DistillInputError` if the folder holds no corpus)."""
+    path = require_file(Path(require_dir(out_dir, "corpus")) / MANIFEST, "corpus manifest")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DistillInputError(f"corpus manifest {path}: damaged ({err})") from None
 
 
 def _continue(model, batch: list[list[int]], opts: CorpusOptions, index: int) -> list[list[int]]:
@@ -133,13 +203,14 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
     Resumes an interrupted build. Stops cleanly (after a finished shard) when ``time_limit_s`` is
     spent; call again to continue. Returns the manifest.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from tqdm import tqdm
 
     if opts.continuation not in ("none", "greedy", "sample"):
-        raise ValueError(f"continuation must be none / greedy / sample, got {opts.continuation!r}")
+        raise DistillInputError(f"continuation must be none / greedy / sample, got {opts.continuation!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
     seqs = [list(map(int, s)) for s in seqs if len(s) >= 2]
     fp = _fingerprint(seqs, opts)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -148,12 +219,12 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
     if mpath.exists():
         manifest = json.loads(mpath.read_text())
         if manifest["fingerprint"] != fp:
-            raise ValueError(f"{out} holds a corpus built from other inputs or options; use another directory")
+            raise DistillInputError(f"{out} holds a corpus built from other inputs or options; use another directory")
     else:
         manifest = {"format": CORPUS_FORMAT, "fingerprint": fp, "options": opts.__dict__, "vocab_size": vocab,
                     "hidden_size": hidden_size, "num_input_sequences": len(seqs), "shards": [],
                     "positions": 0, "sequences_done": 0, "seconds": 0.0, "complete": False}
-        atomic_write_text(mpath, json.dumps(manifest, indent=1))
+        atomic_write_json(mpath, manifest)
     device = next(model.parameters()).device
     done = manifest["sequences_done"]
     start_time = time.perf_counter()
@@ -176,14 +247,13 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
             "gen_start": torch.tensor(buf["gen"], dtype=torch.int64),
             "counts": counts.float(),
         }
-        tmp = out / f".{name}.tmp{os.getpid()}"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, out / name)
+        data = save(tensors)  # bytes: safetensors' save_file writes its own temporary, which kill -9 leaves behind
+        atomic_write(out / name, lambda tmp: tmp.write_bytes(data))
         manifest["shards"].append({"file": name, "sequences": buf_seqs, "positions": buf_positions})
         manifest["positions"] += buf_positions
         manifest["sequences_done"] += buf_seqs
         manifest["seconds"] += time.perf_counter() - t_shard
-        atomic_write_text(mpath, json.dumps(manifest, indent=1))
+        atomic_write_json(mpath, manifest)
         for v in buf.values():
             v.clear()
         counts = torch.zeros(vocab, dtype=torch.float64)
@@ -239,5 +309,5 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
         flush()
     bar.close()
     manifest["complete"] = manifest["sequences_done"] >= len(seqs)
-    atomic_write_text(mpath, json.dumps(manifest, indent=1))
+    atomic_write_json(mpath, manifest)
     return manifest

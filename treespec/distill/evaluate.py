@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from ..drafting.head import EagleHead, HeadDrafter
-from .corpus import atomic_write_text, lm_logits
+from ..files import atomic_write_text
+from .corpus import lm_logits
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ def one_step_metrics(model, head: EagleHead, prompts: list[list[int]], gens: lis
 @torch.no_grad()
 def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dict:
     """Median seconds of one target step and one head step (one token each, with cache)."""
-    from ..drafting.model import StaticTreeShape
+    from ..trees.static import StaticTreeShape
     from ..models.runner import ModelRunner
 
     g = torch.Generator().manual_seed(0)
@@ -101,7 +102,7 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
 @torch.no_grad()
 def chain_tau(model, head: EagleHead, prompts: list[list[int]], depth: int = 4, temperature: float = 0.0,
               new_tokens: int = 64, seed: int = 0) -> float:
-    from ..drafting.model import StaticTreeShape
+    from ..trees.static import StaticTreeShape
     from ..generate import GenerationConfig, generate
     from ..sampling import SamplingConfig
 

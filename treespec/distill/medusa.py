@@ -14,9 +14,7 @@ with per-corpus weights; checkpoints are written atomically and a run resumes wh
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +22,9 @@ from pathlib import Path
 import torch
 
 from ..drafting.medusa import MedusaHeads, new_medusa_heads
+from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
 from .corpus import load_manifest
+from .inputs import DistillInputError, load_checkpoint
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,9 @@ class MedusaTrainConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.num_heads < 1 or self.num_layers < 1:
-            raise ValueError("steps, batch_size, num_heads and num_layers must be >= 1")
+            raise DistillInputError("steps, batch_size, num_heads and num_layers must be >= 1")
         if not self.lr > 0 or not 0 < self.head_decay <= 1 or self.w_soft < 0 or self.w_hard < 0:
-            raise ValueError("need lr > 0, 0 < head_decay <= 1 and non-negative loss weights")
+            raise DistillInputError("need lr > 0, 0 < head_decay <= 1 and non-negative loss weights")
 
 
 class PositionPool:
@@ -61,7 +61,7 @@ class PositionPool:
 
         weights = weights or [1.0] * len(corpora)
         if len(weights) != len(corpora):
-            raise ValueError(f"{len(weights)} weights for {len(corpora)} corpora")
+            raise DistillInputError(f"{len(weights)} weights for {len(corpora)} corpora")
         hidden, tokens, ends, w = [], [], [], []
         base = 0
         for corpus, cw in zip(corpora, weights):
@@ -76,7 +76,7 @@ class PositionPool:
                 w.append(torch.full((n,), float(cw)))
                 base += n
         if not base:
-            raise ValueError("the corpora hold no positions yet")
+            raise DistillInputError("the corpora hold no positions yet")
         self.hidden = torch.cat(hidden)  # [N, H] bf16
         self.tokens = torch.cat(tokens)  # [N]
         self.ends = torch.cat(ends)  # [N] index one past the last position of the sequence
@@ -136,12 +136,15 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
     ckpt_path = run_dir / "medusa-ckpt.pt"
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = load_checkpoint(ckpt_path)
+        if not isinstance(ckpt.get("config"), dict) or "vocab_ids" not in ckpt:
+            raise DistillInputError(f"checkpoint {ckpt_path}: not a Medusa training checkpoint")
         same = {k: v for k, v in ckpt["config"].items() if k != "time_limit_s"}
         if same != {k: v for k, v in asdict(cfg).items() if k != "time_limit_s"}:
-            raise ValueError(f"{run_dir} holds a run with another configuration; use another run directory")
+            raise DistillInputError(f"{run_dir} holds a run with another configuration; use another run directory")
         vocab_ids = ckpt["vocab_ids"]
     elif vocab_ids is None:
         vocab_ids = choose_vocab([Path(c) for c in corpora], cfg.vocab_size)
@@ -158,10 +161,9 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
     pool = PositionPool(corpora, corpus_weights)
 
     def save_ckpt() -> None:
-        tmp = ckpt_path.with_name(f".{ckpt_path.name}.tmp{os.getpid()}")
-        torch.save({"config": asdict(cfg), "vocab_ids": heads.vocab_ids, "heads": heads.state_dict(),
-                    "opt": opt.state_dict(), "step": step, "history": history, "seconds": seconds}, tmp)
-        os.replace(tmp, ckpt_path)
+        state = {"config": asdict(cfg), "vocab_ids": heads.vocab_ids, "heads": heads.state_dict(),
+                 "opt": opt.state_dict(), "step": step, "history": history, "seconds": seconds}
+        atomic_write(ckpt_path, lambda tmp: torch.save(state, tmp))
 
     t0 = time.perf_counter()
     start_seconds = seconds
@@ -193,7 +195,7 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
                "corpora": [str(c) for c in corpora], "corpus_weights": corpus_weights,
                "trained_parameters": heads.num_trained_parameters, "config": asdict(cfg),
                "last": history[-1] if history else None}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_json(run_dir / "summary.json", summary)
     return heads, summary
 
 

@@ -17,9 +17,7 @@ run directory (default ``~/.cache/treespec/distill/runs/<name>``), outside the r
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -29,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from ..drafting.head import EagleHead, HeadConfig, new_head
+from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
 from .corpus import load_manifest
+from .inputs import DistillInputError, load_checkpoint, read_head_file, require_dir
 
 
 def distill_root() -> Path:
@@ -62,6 +62,23 @@ class TrainConfig:
     seed: int = 0
     amp: str = "auto"  # "auto" | "bf16" | "off"
     time_limit_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "vocab_size", "num_heads", "steps_per_shard", "ckpt_every",
+                     "keep_ckpts"):
+            if getattr(self, name) < 1:
+                raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "weight_decay", "w_soft", "w_hard", "w_feat", "feature_noise"):
+            if not getattr(self, name) >= 0:
+                raise DistillInputError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0 or not self.grad_clip > 0:
+            raise DistillInputError(f"lr and grad-clip must be > 0, got {self.lr} and {self.grad_clip}")
+        for name in ("head_dim", "intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.soft not in ("subset", "topk") or self.amp not in ("auto", "bf16", "off"):
+            raise DistillInputError(f"soft must be subset / topk and amp auto / bf16 / off, got {self.soft!r}, "
+                                    f"{self.amp!r}")
 
 
 def autocast_for(device: torch.device, amp: str):
@@ -114,7 +131,7 @@ class ShardSampler:
     def __init__(self, corpus_dir: str | Path, cfg: TrainConfig) -> None:
         self.shards = corpus_shards(corpus_dir)
         if not self.shards:
-            raise ValueError(f"{corpus_dir}: the corpus has no shards yet")
+            raise DistillInputError(f"corpus {corpus_dir}: no shards yet")
         self.cfg = cfg
         w = torch.tensor([s["positions"] for _, s in self.shards], dtype=torch.float64)
         self.weights = w / w.sum()
@@ -209,10 +226,14 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _head_from_checkpoint(state: dict, path: Path) -> EagleHead:
+    try:
+        head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
+        head.load_state_dict(state["head"])
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise DistillInputError(f"checkpoint {path}: not a head training checkpoint ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0][:200]})") from None
+    return head
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -237,24 +258,24 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
     target = target.to(device)
     vocab = target.get_output_embeddings().weight.shape[0]
     dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
     mans = [load_manifest(d) for d in dirs]
-    for man in mans:
+    for d, man in zip(dirs, mans):
         if man["vocab_size"] != vocab or man["hidden_size"] != target.get_input_embeddings().weight.shape[1]:
-            raise ValueError("the corpus was built with another target")
+            raise DistillInputError(f"corpus {d}: built with another target (vocabulary / hidden size differ)")
     man = {"positions": sum(m["positions"] for m in mans)}
     ckpt_path = latest_checkpoint(run_dir)
     state = None
     if ckpt_path is not None:
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
-        head.load_state_dict(state["head"])
+        state = load_checkpoint(ckpt_path)
+        head = _head_from_checkpoint(state, ckpt_path)
         head.attach(target)
         log(f"resuming from {ckpt_path} (step {state['step']})")
     elif init_head is not None:
-        head = EagleHead.load(init_head, target)
+        head = read_head_file(init_head, EagleHead.load, target)
     else:
         from ..generate import eos_token_ids
 
@@ -273,6 +294,8 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     sub_index = torch.full((vocab,), -1, dtype=torch.long, device=device)
     sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel(), device=device)
     torch.manual_seed(cfg.seed)
+    if state is not None and "rng" in state:
+        torch.set_rng_state(state["rng"])  # feature noise continues the uninterrupted stream
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step = 0
     if state is not None:
@@ -284,9 +307,10 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
 
     def save_ckpt() -> Path:
         path = run_dir / f"ckpt-{step}.pt"
-        _atomic_torch_save({"step": step, "head": head.state_dict(), "vocab_ids": head.vocab_ids.cpu(),
-                            "head_config": asdict(head.cfg), "optimizer": opt.state_dict(),
-                            "train_config": asdict(cfg), "corpus": [str(d) for d in dirs]}, path)
+        state = {"step": step, "head": head.state_dict(), "vocab_ids": head.vocab_ids.cpu(),
+                 "head_config": asdict(head.cfg), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
+                 "train_config": asdict(cfg), "corpus": [str(d) for d in dirs]}
+        atomic_write(path, lambda tmp: torch.save(state, tmp))
         for old in sorted(run_dir.glob("ckpt-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-cfg.keep_ckpts]:
             old.unlink(missing_ok=True)
         return path
@@ -323,18 +347,18 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
                "positions_per_s": positions / max(elapsed, 1e-9), "ema": ema, "precision": precision,
                "trained_parameters": head.num_trained_parameters, "vocab_subset": int(head.vocab_ids.numel())}
     head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "summary": summary})
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_json(run_dir / "summary.json", summary)
     return head, summary
 
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype = torch.float16) -> dict:
     """Write the newest checkpoint of ``run_dir`` as a head file (no target needed); returns its summary."""
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = latest_checkpoint(require_dir(run_dir, "run directory"))
     if ckpt is None:
-        raise ValueError(f"{run_dir}: no checkpoint to export")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
-    head.load_state_dict(state["head"])
+        raise DistillInputError(f"run directory {run_dir}: no checkpoint (ckpt-N.pt) to export")
+    remove_stale_temporaries(Path(out).parent)
+    state = load_checkpoint(ckpt)
+    head = _head_from_checkpoint(state, ckpt)
     summary = {"checkpoint": str(ckpt), "step": state["step"], "train_config": state["train_config"],
                "corpus": state.get("corpus"), "trained_parameters": head.num_trained_parameters,
                "vocab_subset": int(head.vocab_ids.numel())}

@@ -35,7 +35,7 @@ from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import DRAFT_LAWS, TokenTree
 from ..verify import VerifyResult
 from .base import Draft, DraftState
-from .weights_file import read_weights, write_weights
+from .weights_file import build_checked, read_weights, write_weights
 
 FORMAT = "treespec-eagle-head"
 FORMAT_VERSION = 1
@@ -183,7 +183,8 @@ class EagleHead(nn.Module):
     def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> "EagleHead":
         config, state, vocab_ids, extra = read_weights(path, fmt=FORMAT, what="EAGLE head")
-        head = cls(HeadConfig(**config), vocab_ids)
+        head = build_checked(path, "EAGLE head", HeadConfig, config, state,
+                              lambda cfg: cls(cfg, vocab_ids))
         head.load_state_dict({k: v.to(dtype) for k, v in state.items()})
         head.extra = extra
         head = head.to(device=device, dtype=dtype).eval()

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..tree import TokenTree
 from .base import DraftState
-from .weights_file import read_weights, write_weights
+from .weights_file import build_checked, read_weights, write_weights
 
 FORMAT = "treespec-medusa-heads"
 FORMAT_VERSION = 1
@@ -136,7 +136,8 @@ class MedusaHeads(nn.Module):
     def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> "MedusaHeads":
         config, state, vocab_ids, extra = read_weights(path, fmt=FORMAT, what="Medusa heads file")
-        heads = cls(MedusaConfig(**config), vocab_ids)
+        heads = build_checked(path, "Medusa heads file", MedusaConfig, config, state,
+                              lambda cfg: cls(cfg, vocab_ids))
         heads.load_state_dict({k: v.to(dtype) for k, v in state.items()})
         heads.extra = extra
         heads = heads.to(device=device, dtype=dtype).eval()

@@ -4,8 +4,8 @@ vocabulary subset, a config and free-form metadata, written atomically."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -13,7 +13,9 @@ import torch
 def write_weights(path: str | Path, state: dict[str, torch.Tensor], vocab_ids: torch.Tensor, *, fmt: str,
                   version: int, config: dict, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:
     """Atomically write ``state`` (floating tensors cast to ``dtype`` if given) + ``vocab_ids`` + metadata."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from ..files import atomic_write
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -21,22 +23,68 @@ def write_weights(path: str | Path, state: dict[str, torch.Tensor], vocab_ids: t
                for k, v in state.items()}
     tensors["vocab_ids"] = vocab_ids.cpu().to(torch.int64).contiguous()
     meta = {"format": fmt, "version": str(version), "config": json.dumps(config), "extra": json.dumps(extra or {})}
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    data = save(tensors, metadata=meta)  # bytes: save_file (0.8) writes its own .tmpXXXXXX, left behind by kill -9
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def read_weights(path: str | Path, *, fmt: str, what: str) -> tuple[dict, dict[str, torch.Tensor], torch.Tensor, dict]:
     """``(config, state, vocab_ids, extra)`` of a file written by :func:`write_weights` in format ``fmt``."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-        if meta.get("format") != fmt:
-            raise ValueError(f"{path} is not a treespec {what}")
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    vocab_ids = tensors.pop("vocab_ids")
-    return json.loads(meta["config"]), tensors, vocab_ids, json.loads(meta.get("extra", "{}"))
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no {what} file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            if meta.get("format") != fmt:
+                raise ValueError(f"{path} is not a treespec {what}")
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        vocab_ids = tensors.pop("vocab_ids")
+        config, extra = json.loads(meta["config"]), json.loads(meta.get("extra", "{}"))
+    except ValueError:
+        raise
+    except Exception as err:  # safetensors' SafetensorError (garbage, truncated), KeyError (no vocab_ids/config)
+        raise ValueError(f"{path} is not a readable treespec {what} ({type(err).__name__}: {err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: {what} config is not a JSON object")
+    return config, tensors, vocab_ids, extra
+
+
+def build_checked(path: str | Path, what: str, config_cls: type, config: dict, state: dict[str, torch.Tensor],
+                  build: Callable[[object], torch.nn.Module]) -> torch.nn.Module:
+    """Validate a stored ``config`` and ``state``, then return ``build(config_cls(**config))``.
+
+    Refuses unknown or missing config keys, non-integer sizes, sizes larger than every dimension stored
+    in the file (so a config declaring a huge size is refused instead of allocated), and any stored tensor
+    whose shape differs from the module the config describes.
+    """
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    required = {n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown, missing = sorted(set(config) - set(fields)), sorted(required - set(config))
+    if unknown or missing:
+        raise ValueError(f"{path}: {what} config has unknown keys {unknown} / missing keys {missing}")
+    for name, value in config.items():
+        default = fields[name].default
+        if isinstance(default, int) and not isinstance(default, bool) or name in required:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{path}: {what} config {name}={value!r} is not a positive integer")
+    # sane bounds before allocating: no size may exceed the largest dimension stored in the file
+    # (target_vocab_size is no tensor dimension: it is checked against the target when attached)
+    largest = max((max(v.shape, default=1) for v in state.values()), default=0)
+    for name, value in config.items():
+        if name != "target_vocab_size" and isinstance(value, int) and not isinstance(value, bool) and value > largest:
+            raise ValueError(f"{path}: {what} tensors do not match its config: {name}={value} exceeds every "
+                             f"stored tensor dimension (largest {largest})")
+    cfg = config_cls(**config)
+    probe = build(cfg)
+    expected = {k: tuple(v.shape) for k, v in probe.state_dict().items() if k != "vocab_ids"}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if set(got) - set(expected) or any(got[k] != expected[k] for k in got if k in expected):
+        bad = sorted(k for k in got if got[k] != expected.get(k))[:3]
+        raise ValueError(f"{path}: {what} tensors do not match its config: "
+                         + ", ".join(f"{k} stored {got[k]}, config says {expected.get(k, 'no such tensor')}"
+                                     for k in bad))
+    return probe

@@ -15,15 +15,25 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..files import pid_alive
+
 EMBEDDED_NAMES = ("embedded", "gemma-3-270m", "gemma3-270m")
 _CACHE_FORMAT = 1
 _MANIFEST = "treespec-manifest.json"
+# What a usable checkpoint needs; a manifest that does not list all of them is rejected.
+_REQUIRED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+_TMP_PREFIX = ".gemma-3-270m-"
+_TMP_DIR_RE = re.compile(r"^\.gemma-3-270m-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+class CacheError(ValueError):
+    """The model cache folder cannot be used (not writable, a symlinked lock...)."""
 
 
 # ---------------------------------------------------------------------- dtype
@@ -77,32 +87,79 @@ def _sha256(path: Path) -> str:
 
 
 def cache_is_valid(directory: Path, *, check_hashes: bool = True) -> bool:
-    """True if ``directory`` holds a complete cache whose files match its manifest."""
+    """True if ``directory`` holds a complete cache whose files match its manifest.
+
+    The manifest must carry the current format version and list every file of
+    ``_REQUIRED_FILES``; each listed file must exist with its recorded size (and SHA-256).
+    """
     manifest_path = directory / _MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError):
         return False
-    if manifest.get("format") != _CACHE_FORMAT or not manifest.get("files"):
+    if not isinstance(manifest, dict) or manifest.get("format") != _CACHE_FORMAT:
         return False
-    for name, meta in manifest["files"].items():
-        path = directory / name
-        if not path.is_file() or path.stat().st_size != meta["size"]:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(name in files for name in _REQUIRED_FILES):
+        return False
+    for name, meta in files.items():
+        if not isinstance(meta, dict) or "/" in name or name in ("", ".", ".."):
             return False
-        if check_hashes and _sha256(path) != meta["sha256"]:
+        path = directory / name
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size != meta.get("size"):
+                return False
+            if check_hashes and _sha256(path) != meta.get("sha256"):
+                return False
+        except OSError:
             return False
     return True
 
 
+def _cache_error(root: Path, what: str, exc: BaseException | None = None) -> CacheError:
+    detail = f" ({exc})" if exc is not None else ""
+    return CacheError(f"the treespec model cache at {root} cannot be used: {what}{detail}. Fix its "
+                      f"permissions or remove it, or point TREESPEC_CACHE at a writable folder.")
+
+
 @contextlib.contextmanager
 def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    """Exclusive flock on ``path``; never follows a symlink, never truncates."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if path.is_symlink():
+            raise _cache_error(path.parent, f"its lock file {path} is a symlink; remove it") from exc
+        raise _cache_error(path.parent, f"cannot open the lock file {path}", exc) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_conversions(root: Path) -> list[Path]:
+    """Delete temporary conversion folders (``.gemma-3-270m-PID-XXXX``) of processes that are gone.
+
+    A live converter's folder is kept. Returns the removed paths.
+    """
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP_DIR_RE.match(entry.name)
+        if m is None or entry.is_symlink() or not entry.is_dir():
+            continue
+        if not pid_alive(int(m.group("pid"))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def _convert_embedded_gemma(out_dir: Path, progress: bool) -> None:
@@ -115,7 +172,7 @@ def _convert_embedded_gemma(out_dir: Path, progress: bool) -> None:
     gguf_dir.mkdir()
     gguf = chunks.assemble(gguf_dir / chunks.MODEL_NAME)
     if progress:
-        print("treespec: converting the embedded Gemma-3-270M GGUF (once; about 90 s)...", flush=True)
+        print("treespec: converting the embedded Gemma-3-270M GGUF (once; about 90 s)...", flush=True, file=__import__("sys").stderr)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf.name, dtype=torch.float32)
     # The de-quantised weights are plain tensors; drop the GGUF quantisation record so the
@@ -133,22 +190,36 @@ def _convert_embedded_gemma(out_dir: Path, progress: bool) -> None:
 
 def embedded_gemma_dir(*, progress: bool = True) -> Path:
     """Directory of the cached, de-quantised embedded Gemma-3-270M; built on first use."""
-    final = cache_root() / f"gemma-3-270m-v{_CACHE_FORMAT}"
+    from ..files import atomic_write_json, remove_stale_temporaries
+
+    root = cache_root()
+    final = root / f"gemma-3-270m-v{_CACHE_FORMAT}"
     if cache_is_valid(final):  # sizes and SHA-256 of every file (about 3 s)
         return final
-    with _locked(cache_root() / ".gemma-3-270m.lock"):
-        if cache_is_valid(final):  # another process may have built it while we waited
-            return final
-        if final.exists():
-            if progress:
-                print(f"treespec: the model cache at {final} is incomplete or corrupted; rebuilding", flush=True)
-            shutil.rmtree(final)
-        tmp = Path(tempfile.mkdtemp(prefix=".gemma-3-270m-", dir=cache_root()))
+    with _locked(root / ".gemma-3-270m.lock"):
+        try:
+            # Leftovers of converters killed outright (their process is gone).
+            remove_stale_conversions(root)
+            remove_stale_temporaries(root)
+            if cache_is_valid(final):  # another process may have built it while we waited
+                return final
+            if final.exists() or final.is_symlink():
+                if progress:
+                    print(f"treespec: the model cache at {final} is incomplete or corrupted; rebuilding",
+                          flush=True, file=__import__("sys").stderr)
+                if final.is_symlink() or not final.is_dir():
+                    final.unlink()
+                else:
+                    shutil.rmtree(final)
+            tmp = root / f"{_TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+            tmp.mkdir(mode=0o755)
+        except OSError as exc:
+            raise _cache_error(root, "it is corrupted and cannot be rebuilt", exc) from exc
         try:
             _convert_embedded_gemma(tmp, progress)
             files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
                      for p in sorted(tmp.iterdir()) if p.is_file()}
-            (tmp / _MANIFEST).write_text(json.dumps({"format": _CACHE_FORMAT, "files": files}, indent=1))
+            atomic_write_json(tmp / _MANIFEST, {"format": _CACHE_FORMAT, "files": files})
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -63,6 +63,15 @@ LAW_OF_VERIFIER = {
     name: ("deterministic" if laws is None else laws[0]) for name, laws in VERIFIER_LAWS.items()
 }
 
+#: draft law -> the verifier used when none is named (at temperature > 0)
+DEFAULT_VERIFIER = {
+    "iid": "rrs",
+    "without_replacement": "rrs_without_replacement",
+    "deterministic": "deterministic",
+    "greedy_draft": "greedy_draft",
+    "spechub": "spechub",
+}
+
 #: verifier name -> its node rule (what verify_tree samples from and output_law evaluates)
 VERIFIER_RULES = {
     "greedy": rules.greedy_rule,
@@ -75,5 +84,5 @@ VERIFIER_RULES = {
     "spechub": spechub_rule,
 }
 
-__all__ = ["VERIFIERS", "VERIFIER_LAWS", "LAW_OF_VERIFIER", "VERIFIER_RULES", "VerifyResult",
+__all__ = ["VERIFIERS", "VERIFIER_LAWS", "DEFAULT_VERIFIER", "LAW_OF_VERIFIER", "VERIFIER_RULES", "VerifyResult",
            "output_law", "verify_tree", *[f.__name__ for f in VERIFIERS.values()]]

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..tree import DRAFT_LAWS
-from ..trees.grow import ShapeDrafter
-from ..trees.shape import TreeShape
+from .grow import ShapeDrafter
+from .shape import TreeShape
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._validation import check_distributions, check_n
+from ot_bounds._validation import check_distributions, check_n
 
 #: Which ``verifier_acceptance(..., event=...)`` the engine's ``num_accepted`` estimates.
 ENGINE_EVENT: dict[str, str] = {
@@ -220,8 +220,8 @@ def rule_acceptance(p: ArrayLike, q: ArrayLike, n: int, verifier: str) -> RuleAc
 
     import treespec.verify as tv
 
-    from .draft_laws import draft_tuple_law
-    from .verifiers import VERIFIER_LAW
+    from ot_bounds.draft_laws import draft_tuple_law
+    from ot_bounds.verifiers import VERIFIER_LAW
 
     pa, qa = check_distributions(p, q)
     n = check_n(n)

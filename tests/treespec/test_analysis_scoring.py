@@ -4,7 +4,7 @@ Two checks per (p, q, n, verifier):
 
 * exact: the engine's node rule (``treespec.verify.VERIFIER_RULES``) over every enumerated draft
   tuple reproduces ``verifier_acceptance`` and the target law to 1e-9 (no sampling noise);
-* Monte Carlo: ``ot_bounds.scoring.monte_carlo_acceptance`` runs ``treespec.verify.VERIFIERS[name]``
+* Monte Carlo: ``treespec.analysis.scoring.monte_carlo_acceptance`` runs ``treespec.verify.VERIFIERS[name]``
   on depth-1 trees drafted by ``treespec.drafting.laws.draw_children`` (fixed seeds, stated sample
   sizes). ``num_accepted`` is compared with ``verifier_acceptance(event=ENGINE_EVENT[name])`` and
   "first emitted token is a draft" with ``event="in_drafts"``; tolerance: binomial z-score
@@ -22,7 +22,7 @@ import torch
 
 import treespec.verify as tv
 from ot_bounds import verifier_acceptance
-from ot_bounds.scoring import ENGINE_EVENT, monte_carlo_acceptance, rule_acceptance, z_score
+from treespec.analysis.scoring import ENGINE_EVENT, monte_carlo_acceptance, rule_acceptance, z_score
 
 Z_MAX = 4.5
 

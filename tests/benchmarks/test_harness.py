@@ -1,0 +1,222 @@
+"""The benchmark harness: provenance (clean / dirty refusal, diff, tracked folders), spreads, rounds.
+
+Provenance is tested on a temporary git repository (the real working tree may be dirty while it is
+edited); nothing here loads a model or downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common
+from benchmarks.common import ProvenanceError, bootstrap_ci, median, open_results
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = tmp_path / "repo"
+    r.mkdir()
+    _git(r, "init", "-q")
+    _git(r, "config", "user.email", "t@example.com")
+    _git(r, "config", "user.name", "t")
+    (r / "code.py").write_text("x = 1\n")
+    (r / "benchmarks" / "results" / "speed" / "old").mkdir(parents=True)
+    (r / "benchmarks" / "results" / "speed" / "old" / "table.md").write_text("| a | 2.08x |\n")
+    _git(r, "add", "-A")
+    _git(r, "commit", "-q", "-m", "init")
+    return r
+
+
+def test_clean_tree_records_commit_machine_versions_command(repo):
+    out, prov = open_results("speed", repo / "out", repo=repo)
+    saved = json.loads((out / "provenance.json").read_text())
+    assert saved["dirty"] is False and not (out / "diff.patch").exists()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert saved["commit"] == head
+    m = saved["machine"]
+    assert m["cpu"] and "avx512_bf16" in m["cpu_flags"] and "amx_bf16" in m["cpu_flags"]
+    assert isinstance(m["bf16_native"], bool)
+    assert {"python", "torch", "transformers", "numpy"} <= set(saved["versions"])
+    assert saved["command"]["argv"] and saved["date_utc"]
+
+
+def test_dirty_tree_is_refused_unless_allowed_then_the_diff_is_stored(repo):
+    (repo / "code.py").write_text("x = 2\n")
+    with pytest.raises(ProvenanceError, match="--allow-dirty"):
+        open_results("speed", repo / "out", repo=repo)
+    assert not (repo / "out").exists()
+    out, prov = open_results("speed", repo / "out", repo=repo, allow_dirty=True)
+    assert prov["dirty"] is True and prov["changed_files"] == ["code.py"]
+    patch = (out / "diff.patch").read_text()
+    assert "-x = 1" in patch and "+x = 2" in patch
+
+
+def test_untracked_source_is_dirty_but_results_outputs_are_not(repo):
+    (repo / "benchmarks" / "results" / "speed" / "new-run").mkdir()
+    (repo / "benchmarks" / "results" / "speed" / "new-run" / "table.md").write_text("new\n")
+    assert common.git_state(repo)["dirty"] is False
+    (repo / "helper.py").write_text("y = 3\n")
+    state = common.git_state(repo)
+    assert state["dirty"] is True and state["untracked"] == ["helper.py"]
+    out, _ = open_results("speed", repo / "out2", repo=repo, allow_dirty=True)
+    assert "+y = 3" in (out / "diff.patch").read_text()
+
+
+def test_a_tracked_results_folder_is_never_overwritten(repo):
+    tracked = repo / "benchmarks" / "results" / "speed" / "old"
+    with pytest.raises(ProvenanceError, match="--out"):
+        open_results("speed", tracked, repo=repo)
+    with pytest.raises(ProvenanceError, match="git tracks"):
+        open_results("speed", repo / "benchmarks" / "results" / "speed", repo=repo, allow_dirty=True)
+    assert (tracked / "table.md").read_text() == "| a | 2.08x |\n"
+
+
+def test_default_folder_is_dated_named_by_commit_and_never_reused(repo):
+    out1, prov = open_results("speed", None, repo=repo, tag="t0")
+    assert out1.parent == repo / "benchmarks" / "results" / "speed"
+    assert out1.name.endswith(f"-{prov['commit_short']}-t0")
+    out2, _ = open_results("speed", None, repo=repo, tag="t0")
+    assert out2 != out1 and out2.name == out1.name + "-2"
+
+
+def test_the_real_repository_refuses_its_committed_results():
+    with pytest.raises(ProvenanceError, match="git tracks"):
+        open_results("speed", common.RESULTS / "speed" / "2026-11-22-t0", allow_dirty=True)
+
+
+def test_bootstrap_interval_is_seeded_and_brackets_the_median():
+    xs = [0.9, 1.1, 1.2, 1.25, 1.3, 1.4, 2.0, 2.1, 0.8, 1.5]
+    a, b = bootstrap_ci(xs, seed=0), bootstrap_ci(xs, seed=0)
+    assert a == b
+    assert a[0] <= median(xs) <= a[1] and a[0] >= min(xs) and a[1] <= max(xs)
+    assert bootstrap_ci([1.3], seed=0) == (1.3, 1.3)
+    tight = bootstrap_ci([1.0 + 0.001 * i for i in range(40)], seed=0)
+    assert tight[1] - tight[0] < a[1] - a[0]
+
+
+# ------------------------------------------------------------------------------------------ run.py
+
+def _runs():
+    """Two prompts, two repeats: ts_plain 1 s, ts_ngram 0.5 s, hf_plain 0.8 s, hf_prompt_lookup 1 s."""
+    times = {"ts_plain": 1.0, "ts_ngram": 0.5, "hf_plain": 0.8, "hf_prompt_lookup": 1.0}
+    engine = {"ts_plain": "treespec", "ts_ngram": "treespec", "hf_plain": "hf", "hf_prompt_lookup": "hf"}
+    rows = []
+    for pid, sub, scale in (("p1", "qa", 1.0), ("p2", "rag", 2.0)):
+        for rep in range(2):
+            for m, t in times.items():
+                rows.append({"dtype": "float32", "temperature": 0.0, "prompt_id": pid, "subtask": sub, "repeat": rep,
+                             "method": m, "engine": engine[m], "new_tokens": 32, "wall_s": t * scale,
+                             "target_calls": 32 if "plain" in m else 16, "equal_to_own_plain": True,
+                             "equal_to_ts_plain": True})
+    return rows
+
+
+def test_speedups_name_their_baselines():
+    from benchmarks import run
+
+    prompt_rows = run.per_prompt_speedups(_runs())
+    ng = [r for r in prompt_rows if r["method"] == "ts_ngram"]
+    assert all(r["speedup_vs_ts_plain"] == pytest.approx(2.0) for r in ng)
+    assert all(r["speedup_vs_hf_plain"] == pytest.approx(1.6) for r in ng)
+    assert all(r["speedup_vs_own_plain"] == pytest.approx(2.0) for r in ng)
+    pl = [r for r in prompt_rows if r["method"] == "hf_prompt_lookup"]
+    assert all(r["speedup_vs_own_plain"] == pytest.approx(0.8) for r in pl)  # own = HF generate
+    summary = run.summarise(prompt_rows, seed=0)
+    e = summary["float32/T=0"]["ts_ngram"]
+    assert e["speedup_vs_ts_plain"]["median"] == pytest.approx(2.0)
+    assert e["speedup_vs_ts_plain"]["ci95"] == [pytest.approx(2.0), pytest.approx(2.0)]
+    assert e["tau"] == pytest.approx(2.0) and e["greedy_equal_rate_own_plain"] == 1.0
+    assert set(e["per_subtask"]) == {"qa", "rag"}
+    prov = {"commit_short": "abc1234", "dirty": False, "date_utc": "now",
+            "command": {"shell": "python benchmarks/run.py"},
+            "machine": {"cpu": "cpu", "cores": 2, "cpu_flags": {"avx512_bf16": True}, "bf16_native": True},
+            "versions": {"torch": "x"}}
+    settings = {"prompts": 2, "prompt_set": "eval", "max_new_tokens": 32, "repeats": 2, "threads": 1, "seed": 0,
+                "warmup_tokens": 8}
+    table = run.markdown(summary, {"provenance": prov, "settings": settings, "skipped": ["llama.cpp: not here"],
+                                   "methods": {"ts_ngram": "x"}})
+    for header in ("speedup vs treespec plain", "speedup vs HF generate", "speedup vs llama.cpp plain",
+                   "Warm-up", "95%", "Skipped: llama.cpp"):
+        assert header in table
+    assert "| ts_ngram | treespec | 48.00 | 2.00x [2.00, 2.00] | 1.60x [1.60, 1.60] | - |" in table
+
+
+def test_rounds_put_baselines_first_then_reverse():
+    from benchmarks import run
+
+    ms = [run.Method(n, e, None, "") for n, e in (("ts_plain", "treespec"), ("ts_ngram", "treespec"),
+                                                   ("hf_plain", "hf"), ("ts_head", "treespec"))]
+    first = [m.name for m in run.round_order(ms, 0, 0, seed=0)]
+    second = [m.name for m in run.round_order(ms, 0, 1, seed=0)]
+    assert first[:2] == ["ts_plain", "hf_plain"] and sorted(first) == sorted(m.name for m in ms)
+    assert second == first[::-1]
+    assert first == [m.name for m in run.round_order(ms, 0, 0, seed=0)]  # seeded
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import run
+
+    run.plot(run.summarise(run.per_prompt_speedups(_runs()), seed=0), tmp_path)
+    assert (tmp_path / "speedup.png").stat().st_size > 1000
+
+
+def test_llama_missing_is_a_reason_not_a_crash():
+    from benchmarks import run
+
+    reason = run.llama_available()
+    assert reason is None or isinstance(reason, str)
+
+
+@pytest.mark.parametrize("script", ["run", "bench_trees", "bench_ot_bounds", "draft_card", "early_exit_layers",
+                                    "study_real_model"])
+def test_every_script_uses_the_common_provenance(script):
+    src = (common.REPO / "benchmarks" / f"{script}.py").read_text()
+    assert "add_output_args(ap)" in src and "open_results(" in src
+    assert "--train-minutes" not in src and "no native bf16 on this CPU" not in src
+
+
+def test_bench_ot_bounds_end_to_end(tmp_path):
+    """A tiny run writes its results and provenance into --out (dirty allowed: the tree is being edited)."""
+    from benchmarks import bench_ot_bounds
+
+    out = tmp_path / "ot"
+    bench_ot_bounds.main(["--vocab", "300", "--repeats", "1", "--budget", "0.05", "--allow-dirty", "--out", str(out)])
+    prov = json.loads((out / "provenance.json").read_text())
+    res = json.loads((out / "bench_ot_bounds.json").read_text())
+    assert prov["complete"] and res["commit"].startswith(prov["commit"]) and res["rows"]
+    assert (out / "diff.patch").exists() == prov["dirty"]
+
+
+def test_draft_card_states_only_what_its_files_record():
+    """The card's training time comes from the run's summary.json or is left out; no machine is typed in."""
+    from benchmarks.draft_card import head_metadata, render
+
+    rec = json.loads((common.RESULTS / "draft" / "2026-11-22-010e29c-dirty" / "metrics.json").read_text())
+    head = common.REPO / "treespec" / "assets" / "gemma3-270m-head.safetensors"
+    meta = head_metadata(head)
+    without = render(head, meta, rec["metrics"], rec["corpora"], None, "abc1234")
+    assert "Training time: not recorded" in without and "Xeon" not in without and "EPYC" not in without
+    with_run = render(head, meta, rec["metrics"], rec["corpora"],
+                      {"seconds_this_run": 1500.0, "positions_this_run": 10, "precision": "bf16", "step": 7}, "abc1234")
+    assert "25 minutes" in with_run and "precision bf16" in with_run
+
+
+def test_results_dir_of_older_scripts_needs_the_environment_switch(monkeypatch, repo):
+    """Scripts without --allow-dirty (results_dir) refuse a dirty tree unless TREESPEC_ALLOW_DIRTY=1."""
+    monkeypatch.setattr(common, "REPO", repo)
+    (repo / "code.py").write_text("x = 5\n")
+    monkeypatch.delenv("TREESPEC_ALLOW_DIRTY", raising=False)
+    with pytest.raises(ProvenanceError, match="TREESPEC_ALLOW_DIRTY=1"):
+        common.results_dir("profile")
+    monkeypatch.setenv("TREESPEC_ALLOW_DIRTY", "1")
+    folder = common.results_dir("profile")
+    assert folder.parent == repo / "benchmarks" / "results" / "profile" and (folder / "diff.patch").exists()

@@ -1,0 +1,97 @@
+"""Property-based fuzz of ``treespec generate`` arguments and of GenerationConfig / SamplingConfig.
+
+Every generated argument list either runs (exit 0, stdout = one JSON document, tokens in the
+vocabulary) or is refused (exit 2, one ``treespec: error:`` line on stderr, nothing on stdout); never
+a traceback. Memory bound: across all examples the process's peak RSS grows by less than 300 MB
+(the tiny model is ~1 MB; a refused 64,64,64 tree would need > 200 GB). 40 derandomized examples,
+max-new-tokens <= 4: about 10-20 s on one core.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from treespec.cli import main as cli_main
+from treespec.generate import GenerationConfig
+from treespec.sampling import SamplingConfig
+
+from .test_cli_exact import VOCAB, tiny_dir  # noqa: F401  (fixture)
+
+FLOATS = st.sampled_from(["0", "1", "0.7", "1e-40", "1e-300", "-1", "nan", "inf", "2", "0.001", "1e-4"])
+ARGS = st.fixed_dictionaries({}, optional={
+    "--temperature": FLOATS,
+    "--top-p": FLOATS,
+    "--top-k": st.sampled_from(["0", "1", "5", "-3", "100000"]),
+    "--verifier": st.sampled_from(["auto", "greedy", "single", "rrs", "rrs_without_replacement",
+                                   "deterministic", "kseq", "greedy_draft", "spechub"]),
+    "--law": st.sampled_from(["iid", "without_replacement", "deterministic", "greedy_draft", "spechub"]),
+    "--draft": st.sampled_from(["ngram", "none", "early-exit:1", "ngrams", "head-x", "/no/such.safetensors"]),
+    "--tree": st.sampled_from(["1", "2,1", "2,2", "8,4", "64,64,64", "0", "a,b"]),
+    "--threads": st.sampled_from(["1", "0", "-1"]),
+    "--dtype": st.sampled_from(["float32", "bfloat16"]),
+    "--max-new-tokens": st.sampled_from(["1", "4", "0", "-2"]),
+    "--min-confidence": st.sampled_from(["0", "0.5"]),
+    "--seed": st.sampled_from(["0", "7"]),
+})
+
+
+OUTCOMES: set[int] = set()
+
+
+@settings(max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ARGS, st.booleans())
+def test_cli_fuzz(capsys, tiny_dir, options, plain):  # noqa: F811
+    argv = ["generate", "w1 w2 w3 w1 w2", "--target", tiny_dir, "--json", "--no-stop"]
+    if "--max-new-tokens" not in options:
+        argv += ["--max-new-tokens", "3"]
+    if "--threads" not in options:
+        argv += ["--threads", "1"]
+    for key, value in options.items():
+        argv += [key, value]
+    if plain:
+        argv.append("--plain")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        code = cli_main(argv)
+    except SystemExit as stop:  # argparse refuses a malformed value (int("a"), --tree 0) with exit 2
+        code = stop.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, (argv, err)
+    OUTCOMES.add(code)
+    if code == 0:
+        result = json.loads(out)
+        assert all(0 <= t < VOCAB for t in result["token_ids"]), argv
+        assert 1 <= len(result["token_ids"]) <= int(options.get("--max-new-tokens", "3"))
+    else:
+        assert code == 2, (argv, code, err)
+        assert out == "", (argv, out)
+        assert "error:" in err, (argv, err)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 300_000, argv  # KB on Linux
+
+
+def test_cli_fuzz_saw_both_outcomes():
+    """Runs after test_cli_fuzz: the fuzz must have exercised both successful runs and refusals."""
+    assert OUTCOMES == {0, 2}, OUTCOMES
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5)),
+       st.one_of(st.integers(-3, 10), st.floats()), st.one_of(st.floats(allow_nan=True), st.integers(-1, 2)),
+       st.one_of(st.integers(-2, 5), st.floats()), st.sampled_from(["auto", "greedy", "rrs", "bogus", "spechub"]))
+def test_config_fuzz(temperature, top_k, top_p, max_new, verifier):
+    try:
+        sampling = SamplingConfig(temperature, top_k, top_p)
+    except ValueError as err:
+        assert str(err)
+        return
+    assert sampling.temperature == 0 or sampling.temperature >= 1e-3
+    try:
+        GenerationConfig(max_new_tokens=max_new, sampling=sampling, verifier=verifier)
+    except ValueError as err:
+        assert str(err)
+        return
+    assert not (verifier == "greedy" and sampling.temperature > 0)
+    assert verifier != "bogus"

@@ -1,0 +1,190 @@
+"""CLI and configuration robustness: every refused input gives one named error on stderr, exit code 2,
+and nothing on stdout. These cases are all decided before any model is loaded (no download)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from treespec.cli import MAX_TREE_NODES, main as cli_main, tree_nodes
+from treespec.drafting.head import EagleHead, new_head
+from treespec.drafting.medusa import MedusaHeads, new_medusa_heads
+from treespec.generate import GenerationConfig
+from treespec.models.tiny import tiny_model
+from tests.treespec.test_cli_exact import tiny_dir  # noqa: F401  (fixture)
+from treespec.sampling import MIN_TEMPERATURE, SamplingConfig, logits_to_probs
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli_main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(capsys, *argv: str, match: str) -> str:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, (code, err)
+    assert out == "", out
+    assert match in err, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_greedy_verifier_at_positive_temperature_is_refused(capsys):
+    with pytest.raises(ValueError, match="verifier 'greedy' needs temperature 0"):
+        GenerationConfig(sampling=SamplingConfig(1.0), verifier="greedy")
+    GenerationConfig(sampling=SamplingConfig(0.0), verifier="greedy")  # fine
+    # sampling verifiers at T = 0 stay accepted: target and draft are one-hot, so every such rule
+    # accepts exactly the argmax (tested end to end in test_sampling_verifiers_at_t0_equal_greedy)
+    GenerationConfig(sampling=SamplingConfig(0.0), verifier="rrs")
+    assert_refused(capsys, "hello", "--temperature", "1", "--verifier", "greedy", match="needs temperature 0")
+
+
+def test_sampling_verifiers_at_t0_equal_greedy():
+    from treespec.drafting.ngram import NgramDrafter
+    from treespec.generate import generate
+
+    target = tiny_model("llama", 16, seed=1)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    plain = generate(target, prompt, None, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(0.0)))
+    for verifier in ("deterministic",):
+        out = generate(target, prompt, NgramDrafter(),
+                       GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(0.0), verifier=verifier))
+        assert out.token_ids == plain.token_ids, verifier
+
+
+def test_tiny_temperature_and_top_p_are_handled():
+    with pytest.raises(ValueError, match=f"or >= {MIN_TEMPERATURE}"):
+        SamplingConfig(1e-40)
+    logits = torch.tensor([[3.0, 1.0, 0.5, -2.0]])
+    probs = logits_to_probs(logits, SamplingConfig(1.0, top_p=1e-300))  # 1e-300 is 0 in float32
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    probs = logits_to_probs(logits * 1e4, SamplingConfig(MIN_TEMPERATURE))
+    assert bool(torch.isfinite(probs).all())
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--threads", "-1"], "--threads must be a positive integer"),
+    (["--threads", "0"], "--threads must be a positive integer"),
+    (["--draft", "ngrams"], "unknown --draft 'ngrams': expected one of auto, lookup+head"),
+    (["--draft", "/nonexistent/dir/x.safetensors"], "no head file"),
+    (["--draft", "lookup+/nonexistent/h.safetensors"], "no head file"),
+    (["--tree", "64,64,64", "--draft", "head", "--temperature", "1", "--min-confidence", "0"],
+     f"asks for 266304 draft nodes; the limit is {MAX_TREE_NODES}"),
+    (["--exact", "--dtype", "bfloat16"], "--exact needs float32"),
+    (["--temperature", "1e-40"], "temperature must be 0 (greedy) or >="),
+])
+def test_cli_refuses_before_loading(capsys, argv, match):
+    start = time.perf_counter()
+    assert_refused(capsys, "hello", *argv, match=match)
+    assert time.perf_counter() - start < 5  # never a hub lookup
+
+
+def test_non_utf8_prompt(capsys):
+    assert_refused(capsys, "caf\udce9", match="not valid UTF-8")
+
+
+def test_tree_nodes():
+    assert tree_nodes((2, 2, 1)) == 2 + 4 + 4
+    assert tree_nodes((64, 64, 64)) == 64 + 64**2 + 64**3
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", 64, seed=0)
+
+
+def _head_file(tmp_path, target, *, config_edit=None, drop=None, truncate=None, garbage=False):
+    head = new_head(target, torch.arange(0, 64, 2))
+    path = tmp_path / "h.safetensors"
+    head.save(path)
+    if garbage:
+        path.write_bytes(b"not a safetensors file at all" * 10)
+    if truncate:
+        path.write_bytes(path.read_bytes()[:truncate])
+    if config_edit or drop:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+        config = json.loads(meta["config"])
+        config.update(config_edit or {})
+        for key in drop or ():
+            config.pop(key)
+        meta["config"] = json.dumps(config)
+        path.write_bytes(save(tensors, metadata=meta))
+    return path
+
+
+@pytest.mark.parametrize("kind, match", [
+    ({"garbage": True}, "is not a readable treespec EAGLE head"),
+    ({"truncate": 200}, "is not a readable treespec EAGLE head"),
+    ({"config_edit": {"bogus": 1}}, "unknown keys ['bogus']"),
+    ({"drop": ["hidden_size"]}, "missing keys ['hidden_size']"),
+    ({"config_edit": {"intermediate_size": 2_000_000_000}}, "tensors do not match its config"),
+    ({"config_edit": {"intermediate_size": 2e9}}, "is not a positive integer"),
+])
+def test_bad_head_files_are_named_before_allocation(tmp_path, target, kind, match):
+    import resource
+
+    path = _head_file(tmp_path, target, **kind)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError) as info:
+        EagleHead.load(path, target)
+    assert match in str(info.value)
+    # intermediate_size = 2e9 in fp32 would be > 8 GB per matrix; allow 200 MB of growth (KB units on Linux)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000
+
+
+def test_missing_head_file(tmp_path, target):
+    with pytest.raises(FileNotFoundError, match="no EAGLE head file"):
+        EagleHead.load(tmp_path / "absent.safetensors", target)
+
+
+def test_bad_medusa_file(tmp_path, target):
+    heads = new_medusa_heads(target, torch.arange(0, 64, 2), num_heads=2)
+    path = tmp_path / "m.safetensors"
+    heads.save(path)
+    MedusaHeads.load(path, target)  # the good file loads
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    config = json.loads(meta["config"])
+    config["hidden_size"] = 1 << 30
+    meta["config"] = json.dumps(config)
+    path.write_bytes(save(tensors, metadata=meta))
+    with pytest.raises(ValueError, match="tensors do not match its config"):
+        MedusaHeads.load(path, target)
+
+
+@pytest.mark.parametrize("kind", [{"garbage": True}, {"truncate": 200}, {"config_edit": {"bogus": 1}},
+                                  {"config_edit": {"intermediate_size": 2_000_000_000}}])
+def test_cli_bad_head_file_exit_2(capsys, tmp_path, target, tiny_dir, kind):  # noqa: F811
+    path = _head_file(tmp_path, target, **kind)
+    assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--draft", str(path), "--max-new-tokens", "2",
+                   "--json", match="treespec: error:")
+
+
+def test_cli_missing_draft_directory(capsys, tiny_dir):  # noqa: F811
+    assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--draft", "/no/such/dir/", match="no draft model directory")
+
+
+def test_nan_head_at_positive_temperature_is_named(target):
+    from treespec.drafting.head import HeadDrafter
+    from treespec.trees.static import StaticTreeShape
+    from treespec.generate import generate
+    from treespec.sampling import NonFiniteLogitsError
+
+    head = new_head(target, torch.arange(0, 64, 2))
+    head.attach(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.fill_(float("nan"))
+    drafter = HeadDrafter(head, StaticTreeShape((2, 1), "iid"), min_confidence=0.0)
+    with pytest.raises(NonFiniteLogitsError, match="NaN logits"):
+        generate(target, [1, 2, 3], drafter, GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(1.0)))

@@ -1,0 +1,206 @@
+"""kill -9 at seeded random moments of corpus building, training and export; then run again.
+
+Each trial forks the test process (torch and the tiny target already loaded, so a trial costs
+milliseconds, not an interpreter start), lets the child work, and SIGKILLs it after a delay drawn
+from ``random.Random(seed)`` between 0 and 1.1x the wall time of an uninterrupted forked run. The
+command is then run again to completion in the parent. The result must equal the uninterrupted
+run's: bit-identical corpus shards and manifest (wall-clock fields aside); identical checkpoint,
+optimizer and head tensors after training (the head file's metadata holds wall-clock times); an
+exported file with the same header and the same bytes after it (safetensors orders its metadata
+map by hash, differently on each write). No temporary file may remain. 20 seeded trials for
+corpus building and training, 60 for export (short); each test also checks that kills did land
+mid-run (partial corpora, resumed checkpoints, exports killed inside the file write).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treespec.distill.corpus import CorpusOptions, build_corpus
+from treespec.distill.train import TrainConfig, export_checkpoint, train
+from treespec.models.tiny import tiny_model
+
+pytestmark = pytest.mark.faults
+
+TRIALS = 20
+EXPORT_TRIALS = 60  # an export is ~0.05 s, its file write a small part of it: more trials to land inside
+V = 96
+OPTS = CorpusOptions(topk=4, shard_positions=60, batch_size=2)
+CFG = TrainConfig(steps=40, batch_size=2, seq_len=16, lr=3e-3, warmup=5, vocab_size=64, num_heads=4,
+                  intermediate_size=32, ckpt_every=4, keep_ckpts=2, steps_per_shard=5, soft="topk",
+                  feature_noise=0.05, amp="off")
+
+
+def seqs() -> list[list[int]]:
+    g = random.Random(0)
+    return [[0] + [g.randrange(1, V) for _ in range(g.randrange(8, 30))] for _ in range(16)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("gemma3", V, seed=0, logit_scale=6.0)
+
+
+def killed_run(work, delay: float) -> bool:
+    """Run ``work()`` in a forked child, SIGKILL it after ``delay`` s; True if it was still running."""
+    pid = os.fork()
+    if pid == 0:  # child: do the work, then leave without running the parent's cleanup
+        try:
+            with torch.enable_grad():
+                work()
+        finally:
+            os._exit(0)
+    end = time.perf_counter() + delay
+    while time.perf_counter() < end:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return True
+
+
+def safetensors_content(path: Path) -> tuple[dict, bytes]:
+    """(header as a dict, tensor bytes): safetensors writes its metadata map in hash order, which
+    differs between writes, so two writes of the same content are compared through this."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def temporaries(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if ".tmp" in p.name]
+
+
+def forked_wall(work) -> float:
+    """Wall time of ``work()`` run to completion in a forked child (a child is slower than its parent:
+    copy-on-write page faults), the scale of the kill delays."""
+    t0 = time.perf_counter()
+    assert not killed_run(work, 600.0)
+    return time.perf_counter() - t0
+
+
+def _manifest(folder: Path) -> dict:
+    man = json.loads((folder / "manifest.json").read_text())
+    man.pop("seconds")
+    return man
+
+
+def test_corpus_survives_kill_9(target, tmp_path):
+    ref = tmp_path / "ref"
+    build_corpus(target, seqs(), ref, OPTS, progress=False)
+    wall = forked_wall(lambda: build_corpus(target, seqs(), tmp_path / "timing", OPTS, progress=False))
+    files = sorted(p.name for p in ref.iterdir())
+    assert len(files) >= 5, files  # several shards: kills land between and inside writes
+    interrupted, partial, mid_write = 0, 0, 0
+    for seed in range(TRIALS):
+        out = tmp_path / f"trial-{seed}"
+        interrupted += killed_run(lambda: build_corpus(target, seqs(), out, OPTS, progress=False),
+                                  random.Random(seed).uniform(0, 1.1 * wall))
+        mid_write += bool(temporaries(out)) if out.exists() else 0
+        if (out / "manifest.json").exists() and not json.loads((out / "manifest.json").read_text())["complete"]:
+            partial += 1
+        build_corpus(target, seqs(), out, OPTS, progress=False)
+        names = sorted(p.name for p in out.iterdir())
+        assert names == files, (seed, sorted(set(names) ^ set(files)))  # no temporaries, no missing shard
+        assert _manifest(out) == _manifest(ref), seed
+        for name in files:
+            if name.endswith(".safetensors"):
+                assert (out / name).read_bytes() == (ref / name).read_bytes(), (seed, name)
+    print(f"corpus: {interrupted} of {TRIALS} runs killed, {partial} with a partial corpus, {mid_write} mid-write")
+    assert interrupted >= TRIALS // 2 and partial >= 3, (interrupted, partial)
+
+
+@pytest.fixture(scope="module")
+def corpus(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    build_corpus(target, seqs(), out, OPTS, progress=False)
+    return out
+
+
+def test_training_survives_kill_9(target, corpus, tmp_path):
+    quiet = {"progress": False, "log": lambda *_: None}
+    ref = tmp_path / "ref"
+    with torch.enable_grad():
+        train(target, corpus, ref, CFG, **quiet)
+    wall = forked_wall(lambda: train(target, corpus, tmp_path / "timing", CFG, **quiet))
+    ref_ckpt = torch.load(ref / f"ckpt-{CFG.steps}.pt", weights_only=True)
+    interrupted, resumed, mid_write = 0, 0, 0
+    for seed in range(TRIALS):
+        run = tmp_path / f"trial-{seed}"
+        interrupted += killed_run(lambda: train(target, corpus, run, CFG, **quiet),
+                                  random.Random(seed).uniform(0, 1.1 * wall))
+        mid_write += bool(temporaries(run)) if run.exists() else 0
+        resumed += any(run.glob("ckpt-*.pt")) and not (run / f"ckpt-{CFG.steps}.pt").exists()
+        with torch.enable_grad():
+            head, summary = train(target, corpus, run, CFG, **quiet)
+        assert summary["step"] == CFG.steps
+        assert not temporaries(run), (seed, temporaries(run))
+        state = torch.load(run / f"ckpt-{CFG.steps}.pt", weights_only=True)
+        for k, v in ref_ckpt["head"].items():
+            assert torch.equal(state["head"][k], v), (seed, k)
+        for k, v in ref_ckpt["optimizer"]["state"].items():
+            for name, t in v.items():
+                assert torch.equal(state["optimizer"]["state"][k][name], t), (seed, k, name)
+        got, want = load_file(run / "head.safetensors"), load_file(ref / "head.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), seed
+    print(f"training: {interrupted} of {TRIALS} runs killed, {resumed} resumed from a checkpoint, "
+          f"{mid_write} mid-write")
+    assert interrupted >= TRIALS // 2 and resumed >= 3, (interrupted, resumed)
+
+
+def test_export_survives_kill_9(target, corpus, tmp_path):
+    run = tmp_path / "run"  # a wide head (~1.6M parameters): most of an export's time is the file write
+    with torch.enable_grad():
+        train(target, corpus, run, TrainConfig(**{**CFG.__dict__, "steps": 2, "intermediate_size": 16384}),
+              progress=False, log=lambda *_: None)
+    ref = tmp_path / "ref.safetensors"
+    export_checkpoint(run, ref)
+    wall = forked_wall(lambda: export_checkpoint(run, tmp_path / "timing.safetensors"))
+    interrupted, mid_write = 0, 0
+    for seed in range(EXPORT_TRIALS):
+        folder = tmp_path / f"trial-{seed}"
+        folder.mkdir()
+        out = folder / "head.safetensors"
+        interrupted += killed_run(lambda: export_checkpoint(run, out), random.Random(seed).uniform(0, 1.1 * wall))
+        mid_write += bool(temporaries(folder))
+        if out.exists():  # a file that exists at all is complete
+            assert safetensors_content(out) == safetensors_content(ref), seed
+        export_checkpoint(run, out)
+        assert safetensors_content(out) == safetensors_content(ref), seed
+        assert not temporaries(folder), (seed, temporaries(folder))
+    print(f"export: {interrupted} of {EXPORT_TRIALS} runs killed, {mid_write} in the middle of the write")
+    assert interrupted >= EXPORT_TRIALS // 2 and mid_write >= 1, (interrupted, mid_write)
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(target, corpus, tmp_path):
+    """Deterministic twin of the kill trials: what a killed writer leaves (``.NAME.tmpPID`` of a dead
+    process) is removed when the command runs again; a live writer's temporary is kept."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # a process id that is certainly gone
+    live = f".x.tmp{os.getpid()}"
+    built = tmp_path / "corpus"
+    for folder, name in ((built, ".shard-00000.safetensors"), (tmp_path / "run", ".ckpt-4.pt"),
+                         (tmp_path / "out", ".head.safetensors")):
+        folder.mkdir()
+        (folder / f"{name}.tmp{pid}").write_bytes(b"half a file")
+        (folder / live).write_bytes(b"being written")
+    build_corpus(target, seqs(), built, OPTS, progress=False)
+    with torch.enable_grad():
+        train(target, corpus, tmp_path / "run", TrainConfig(**{**CFG.__dict__, "steps": 4}), progress=False,
+              log=lambda *_: None)
+    export_checkpoint(tmp_path / "run", tmp_path / "out" / "head.safetensors")
+    for folder in (built, tmp_path / "run", tmp_path / "out"):
+        assert temporaries(folder) == [live], folder

@@ -1,0 +1,1 @@
+"""Engine-side analysis: scoring treespec's own verifiers against ot_bounds."""
