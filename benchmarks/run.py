@@ -245,12 +245,17 @@ def llama_methods(wanted: set[str], threads: int, n_ctx: int, lookup_tokens: int
     for name, draft in (("llama_plain", None), ("llama_prompt_lookup", lookup_tokens)):
         if name not in wanted:
             continue
+        # with a draft model llama-cpp-python keeps logits of every position but sizes its buffer from the
+        # logits_all argument (0.3.36): prompts longer than n_batch crashed unless logits_all is passed
         llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                    seed=0, verbose=False,
+                    seed=0, verbose=False, logits_all=bool(draft),
                     draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
 
-        def run(prompt: dict, n: int, temperature: float, seed: int, llm=llm) -> dict:
+        def run(prompt: dict, n: int, temperature: float, seed: int, llm=llm, name=name) -> dict:
             toks = llm.tokenize(prompt["text"].encode("utf-8"), add_bos=True, special=False)
+            if len(toks) + n + lookup_tokens > llm.n_ctx():  # llama.cpp would fail with a shape error
+                raise ValueError(f"{name}: prompt {prompt['id']} is {len(toks)} llama.cpp tokens; with {n} new "
+                                 f"tokens it does not fit n_ctx={llm.n_ctx()}")
             llm.reset()
             llm.set_seed(seed)
             out: list[int] = []
@@ -508,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [{"id": r["id"], "subtask": r["subtask"], "text": r["prompt"], "ids": tok(r["prompt"])["input_ids"]}
                for r in rows]
     warm = {"id": "warm-up", "subtask": "warm-up", "text": WARMUP_TEXT, "ids": tok(WARMUP_TEXT)["input_ids"]}
-    n_ctx = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64
+    n_ctx = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64  # run() checks llama.cpp's own count
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "dtypes": dtypes,
                 "prompts": len(prompts), "prompt_ids": [p["id"] for p in prompts], "warmup_tokens": 8,
                 "methods_run": sorted(wanted)}
