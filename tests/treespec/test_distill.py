@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from treespec.distill.corpus import CorpusOptions, build_corpus, check_not_eval, load_manifest
+from treespec.distill.corpus import CorpusOptions, build_corpus, check_not_eval, load_manifest, shared_dir
 from treespec.distill.train import TrainConfig, train
 from treespec.drafting.base import DraftState
 from treespec.drafting.head import EagleHead, HeadDrafter
@@ -21,14 +21,13 @@ from treespec.drafting.hybrid import LookupHeadDrafter
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.trees.static import StaticTreeShape
 from treespec.generate import GenerationConfig, generate
-from benchmarks.common import TRAIN_PROMPTS
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 
 from .test_end_to_end_stats import g_test
 
 V = 128
-TRAIN = TRAIN_PROMPTS
+TRAIN = shared_dir() / "data" / "train" / "train_prompts.jsonl"
 FALLBACK = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
             "Translate to French: good morning", "What is 12 times 7? Think step by step."] * 3
 
