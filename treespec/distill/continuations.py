@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m treespec.distill.continuations",
                                  description="the target's own continuations of train prompts, in resumable chunks")
     ap.add_argument("--prompts", default=None, help="train prompts jsonl (default: ../shared/data/train)")
-    ap.add_argument("--name", required=True, help="folder under <cache>/distill/continuations/")
+    ap.add_argument("--name", required=True, help="folder under <cache>/distill/continuations/ (or under --out)")
+    ap.add_argument("--out", default=None,
+                    help="parent folder of NAME instead of the cache, e.g. a tracked folder of the repo so that "
+                         "finished chunks survive a lost cache")
     ap.add_argument("--rows", default="0:", help="START:END of the seeded prompt order (seed 0)")
     ap.add_argument("--mode", choices=["greedy", "sample"], default="greedy")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..generate import eos_token_ids
 
     prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-    out = cache_root() / "distill" / "continuations" / args.name
+    out = (Path(args.out) if args.out else cache_root() / "distill" / "continuations") / args.name
     limit = None if args.time_limit is None else args.time_limit * 60
     manifest = build_continuations(model, prompt_ids, out, opts, eos=eos_token_ids(model),
                                    model_name="embedded:gemma-3-270m", time_limit_s=limit)
