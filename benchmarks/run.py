@@ -132,13 +132,15 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None) -> Meth
     return Method(name, "treespec", run, describe, reset)
 
 
-def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None):
-    """A drafter built by ``treespec.cli`` itself, as ``treespec generate --draft DRAFT`` would."""
+def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None,
+                tree: tuple[int, ...] | None = None, law: str = "iid"):
+    """A drafter built by ``treespec.cli`` itself, as ``treespec generate --draft DRAFT [--tree T]
+    [--min-confidence C] [--law L]`` would."""
     from treespec.cli import _drafter
 
     def make(temperature: float):
-        ns = argparse.Namespace(plain=False, draft=draft, target="embedded", temperature=temperature, tree=None,
-                                min_confidence=min_confidence, law="iid", top_k=0, top_p=1.0)
+        ns = argparse.Namespace(plain=False, draft=draft, target="embedded", temperature=temperature, tree=tree,
+                                min_confidence=min_confidence, law=law, top_k=0, top_p=1.0)
         return _drafter(ns, model, tok, dtype)
 
     return make
@@ -162,6 +164,12 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
     add("ts_head_chain", cli_drafter(model, tok, dtype, "head", 0.0),
         "treespec generate --draft head --min-confidence 0")
     add("ts_lookup_head", cli_drafter(model, tok, dtype, "lookup+head"), "treespec generate --draft lookup+head")
+    for name, draft, tree, conf, law in args.variant or []:  # CLI settings under test (tuning runs)
+        shape = tuple(int(x) for x in tree.split(",")) if tree != "-" else None
+        confidence = None if conf == "-" else float(conf)
+        ms.append(ts_method(name, runner, cli_drafter(model, tok, dtype, draft, confidence, shape, law),
+                            f"treespec generate --draft {draft}" + (f" --tree {tree}" if shape else "")
+                            + (f" --min-confidence {conf}" if confidence is not None else "") + f" --law {law}"))
     add("ts_ngram_tree", lambda t: NgramDrafter(NgramConfig(depth=8, branches=4, max_nodes=16)),
         "treespec generate --draft ngram --tree 8,4")
     if "ts_online_ngram" in wanted:  # one store per temperature, learning from every earlier prompt
@@ -475,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
                     help="target forward of every treespec row (as `treespec generate --runner`); with a fast "
                          "runner, ts_plain_eager decodes with the eager HF forward beside it")
+    ap.add_argument("--variant", nargs=5, action="append", metavar=("NAME", "DRAFT", "TREE", "CONF", "LAW"),
+                    help="an extra treespec row: `treespec generate --draft DRAFT --tree TREE --min-confidence CONF "
+                         "--law LAW` ('-' = the CLI's default), e.g. --variant ts_head6 head 1,1,1,1,1,1 0.2 iid")
     ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
     add_output_args(ap)
     args = ap.parse_args(argv)
