@@ -40,6 +40,9 @@ CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "a
              "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 #: untracked files below these folders do not make a tree dirty (they are the outputs of runs)
 OUTPUT_DIRS = ("benchmarks/results/",)
+#: new or changed files below these folders do not make a tree dirty either: data written by a long job that
+#: may be running beside a benchmark (the corpus chunks of recipes/*.sh), never code
+DATA_DIRS = ("corpora/",)
 SPEED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TREESPEC_CACHE",
              "TREESPEC_SHARED", "TREESPEC_ALLOW_DIRTY")
 
@@ -57,17 +60,18 @@ def _git(args: list[str], repo: Path) -> str:
 def git_state(repo: Path = REPO) -> dict:
     """``{"commit", "short", "dirty", "changed", "untracked"}`` of the working tree at ``repo``.
 
-    Dirty = a tracked file differs from HEAD (staged or not), or an untracked, not ignored file exists
-    outside the results folders. Outside a git checkout: commit "unknown", dirty True.
+    Dirty = a tracked file differs from HEAD (staged or not), or an untracked, not ignored file exists,
+    outside the results folders (:data:`OUTPUT_DIRS`) and the data folders of long jobs (:data:`DATA_DIRS`). Outside a git checkout: commit "unknown", dirty True.
     """
     try:
         sha = _git(["rev-parse", "HEAD"], repo).strip()
         status = _git(["status", "--porcelain", "--untracked-files=all"], repo).splitlines()
     except (OSError, subprocess.CalledProcessError):
         return {"commit": "unknown", "short": "unknown", "dirty": True, "changed": [], "untracked": []}
-    changed = [line[3:] for line in status if not line.startswith("??")]
+    changed = [line[3:] for line in status if not line.startswith("??")
+               and not any(line[3:].startswith(d) for d in DATA_DIRS)]
     untracked = [line[3:] for line in status if line.startswith("??")
-                 and not any(line[3:].startswith(d) for d in OUTPUT_DIRS)]
+                 and not any(line[3:].startswith(d) for d in OUTPUT_DIRS + DATA_DIRS)]
     return {"commit": sha, "short": sha[:7], "dirty": bool(changed or untracked), "changed": changed,
             "untracked": untracked}
 
