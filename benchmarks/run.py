@@ -185,17 +185,17 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
         add("ts_head_eagle2", lambda t: Eagle2Drafter(head, 8, top_k=4, depth=4),
             "shipped head behind EAGLE-2, 8 nodes, top-4, depth 4")
         if "ts_online_head" in wanted:
-            from treespec.trees.static import StaticTreeShape
-            from treespec.drafting.head import HeadDrafter
             from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
             from treespec.drafting.shipped import DEFAULT_HEAD_SETTINGS
+            from treespec.trees.grow import ShapeDrafter
+            from treespec.trees.shape import TreeShape
 
             learner = [None]
 
             def fresh_head() -> None:
-                learner[0] = OnlineHeadDrafter(HeadDrafter(load_default_head(model), StaticTreeShape(
-                    DEFAULT_HEAD_SETTINGS["tree"]), min_confidence=DEFAULT_HEAD_SETTINGS["min_confidence"]),
-                    OnlineHeadConfig())
+                learner[0] = OnlineHeadDrafter(ShapeDrafter(
+                    load_default_head(model), TreeShape.widths(DEFAULT_HEAD_SETTINGS["tree"]), "iid",
+                    min_confidence=DEFAULT_HEAD_SETTINGS["min_confidence"]), OnlineHeadConfig())
 
             fresh_head()
             add("ts_online_head", lambda t: learner[0], "OnlineHeadDrafter (own head copy per T)", fresh_head)

@@ -18,6 +18,8 @@ import sys
 import torch
 
 from .drafting.base import Drafter
+from .trees.grow import ShapeDrafter
+from .trees.shape import TreeShape
 from .trees.static import ModelDrafter, StaticTreeShape
 from .drafting.ngram import NgramConfig, NgramDrafter
 from .generate import GenerationConfig, generate
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _head_drafter(args, target_model, path: str | None) -> Drafter:
-    from .drafting.head import EagleHead, HeadDrafter
+    from .drafting.head import EagleHead
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
 
     head = load_default_head(target_model) if path is None else EagleHead.load(path, target_model)
@@ -140,7 +142,7 @@ def _head_drafter(args, target_model, path: str | None) -> Drafter:
     branching = args.tree or settings["tree"]
     branching = (1,) * branching[0] if len(branching) == 1 else tuple(branching)
     confidence = settings["min_confidence"] if args.min_confidence is None else args.min_confidence
-    return HeadDrafter(head, StaticTreeShape(branching, args.law), min_confidence=confidence)
+    return ShapeDrafter(head, TreeShape.widths(branching), args.law, min_confidence=confidence)
 
 
 def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:

@@ -16,13 +16,14 @@ import torch
 from treespec.distill.corpus import CorpusOptions, build_corpus, check_not_eval, load_manifest, shared_dir
 from treespec.distill.train import TrainConfig, train
 from treespec.drafting.base import DraftState
-from treespec.drafting.head import EagleHead, HeadDrafter
+from treespec.drafting.head import EagleHead
 from treespec.drafting.hybrid import LookupHeadDrafter
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
-from treespec.trees.static import StaticTreeShape
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 
 from .test_end_to_end_stats import g_test
 
@@ -124,7 +125,7 @@ def test_resume_from_checkpoint_continues_exactly(target, corpus, trained, tmp_p
 def test_restricted_vocabulary_is_exact(target, trained):
     _, head, _ = trained
     assert head.vocab_ids.numel() < V
-    drafter = HeadDrafter(head, StaticTreeShape((3, 2), "iid"))
+    drafter = ShapeDrafter(head, TreeShape.widths((3, 2)), "iid")
     prompt = prompts()[0][:10]
     drafter.begin(prompt)
     hidden = target.base_model(input_ids=torch.tensor([prompt[:-1]])).last_hidden_state[0]
@@ -145,7 +146,7 @@ def test_greedy_generation_identical_to_plain(target, trained, shape):
     cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
     for prompt in [prompts()[1][:12], [5], prompts()[2][:3]]:
         plain = generate(target, prompt, None, cfg).token_ids
-        out = generate(target, prompt, HeadDrafter(head, StaticTreeShape(shape)), cfg)
+        out = generate(target, prompt, ShapeDrafter(head, TreeShape.widths(shape), "iid"), cfg)
         assert out.token_ids == plain
 
 
@@ -158,7 +159,8 @@ def test_lookup_then_head_greedy_identical_to_plain(target, trained, min_confide
     for prompt in [prompts()[1][:12] * 2, [5], prompts()[2][:6]]:
         plain = generate(target, prompt, None, cfg).token_ids
         drafter = LookupHeadDrafter(NgramDrafter(NgramConfig(depth=6, branches=1, adaptive=True)),
-                                    HeadDrafter(head, StaticTreeShape((2, 1, 1)), min_confidence=min_confidence))
+                                    ShapeDrafter(head, TreeShape.widths((2, 1, 1)), "iid",
+                                                 min_confidence=min_confidence))
         assert generate(target, prompt, drafter, cfg).token_ids == plain
         for k in used:
             used[k] += drafter.counts[k]
@@ -170,7 +172,7 @@ def test_confidence_pruning_keeps_only_confident_children(target, trained):
     prompt = prompts()[0][:10]
     hidden = target.model(torch.tensor([prompt[:-1]]), output_hidden_states=True).last_hidden_state[0].detach()
     for threshold in (0.0, 0.3, 0.9):
-        drafter = HeadDrafter(head, StaticTreeShape((4, 2)), min_confidence=threshold)
+        drafter = ShapeDrafter(head, TreeShape.widths((4, 2)), "iid", min_confidence=threshold)
         drafter.begin(prompt)
         draft = drafter.propose(DraftState(prompt, 8, hidden), SamplingConfig(0.0), None)
         assert draft.tree.law == "deterministic"
@@ -194,7 +196,7 @@ def test_confidence_pruning_keeps_only_confident_children(target, trained):
             return out
         assert token_paths(draft.tree) <= token_paths(full)
     with pytest.raises(ValueError, match="min_confidence"):
-        HeadDrafter(head, StaticTreeShape((1,)), min_confidence=1.0)
+        ShapeDrafter(head, TreeShape.widths((1,)), "iid", min_confidence=1.0)
 
 
 def _small_head(tmp_path):
@@ -237,7 +239,8 @@ def test_lookup_then_head_law_at_t1(tmp_path, broken):
     cls = _WrongLawLookup if broken else LookupHeadDrafter
     n, counts, used = 600, {}, {"ngram": 0, "head": 0}
     for seed in range(n):
-        drafter = cls(NgramDrafter(NgramConfig(depth=3, branches=2)), HeadDrafter(head, StaticTreeShape((2, 2), "iid")))
+        drafter = cls(NgramDrafter(NgramConfig(depth=3, branches=2)),
+                      ShapeDrafter(head, TreeShape.widths((2, 2)), "iid"))
         out = generate(small, prompt, drafter,
                        GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed, stop_on_eos=False))
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
@@ -262,7 +265,7 @@ def test_output_law_at_t1_is_the_targets(tmp_path):
     assert head.vocab_ids.numel() == 4
     n, counts = 600, {}
     for seed in range(n):
-        out = generate(small, PROMPT, HeadDrafter(head, StaticTreeShape((3, 2), "iid")),
+        out = generate(small, PROMPT, ShapeDrafter(head, TreeShape.widths((3, 2)), "iid"),
                        GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed, stop_on_eos=False))
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
     p_value = g_test(counts, exact_law(small, SamplingConfig(1.0)), n)

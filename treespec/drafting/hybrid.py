@@ -17,15 +17,14 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..verify import VerifyResult
-from .base import Draft, DraftState
-from .head import HeadDrafter
+from .base import Draft, Drafter, DraftState
 from .ngram import NgramDrafter
 
 
 class LookupHeadDrafter:
-    """:class:`NgramDrafter` when it finds candidates, else :class:`HeadDrafter`."""
+    """:class:`NgramDrafter` when it finds candidates, else a head drafter."""
 
-    def __init__(self, ngram: NgramDrafter, head: HeadDrafter) -> None:
+    def __init__(self, ngram: NgramDrafter, head: Drafter) -> None:
         self.ngram = ngram
         self.head = head
         self.begin([])
