@@ -18,15 +18,14 @@ import sys
 import torch
 
 from .drafting.base import Drafter
-from .trees.grow import ShapeDrafter
-from .trees.shape import TreeShape
-from .trees.static import ModelDrafter, StaticTreeShape
 from .drafting.ngram import NgramConfig, NgramDrafter
 from .generate import GenerationConfig, generate
 from .models.fast import FastGemmaRunner, fast_supported, make_runner
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig
 from .tree import DRAFT_LAWS
+from .trees.grow import ShapeDrafter
+from .trees.shape import TreeShape
 from .verify import VERIFIERS
 
 
@@ -171,7 +170,7 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
 
         branching = args.tree or (1, 1, 1, 1)
         branching = (1,) * branching[0] if len(branching) == 1 else branching
-        return ModelDrafter(load_draft_model(args.draft, target_model), StaticTreeShape(branching, args.law))
+        return ShapeDrafter(load_draft_model(args.draft, target_model), TreeShape.widths(branching), args.law)
     if args.draft.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
         return _head_drafter(args, target_model, args.draft)
     from .models.compat import check_tokenizers, check_vocab_sizes
@@ -183,7 +182,7 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
     branching = args.tree or (1, 1, 1, 1)
     if len(branching) == 1:
         branching = (1,) * branching[0]
-    return ModelDrafter(draft_model, StaticTreeShape(branching, args.law),
+    return ShapeDrafter(draft_model, TreeShape.widths(branching), args.law,
                         target_model.get_output_embeddings().weight.shape[0])
 
 

@@ -6,13 +6,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from treespec.cli import main as cli_main
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.compat import check_tokenizers, check_vocab_sizes
 from treespec.models.tiny import tiny_model
 from treespec.sampling import NonFiniteLogitsError, SamplingConfig
 from treespec.tree import TokenTree
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 from treespec.verify import verify_rrs
 
 
@@ -36,7 +37,7 @@ def test_draft_vocabulary_larger_than_target_is_refused():
     with pytest.raises(ValueError, match=r"draft vocabulary \(48 logits\) is larger than the target's \(32\)"):
         check_vocab_sizes(target, draft)
     with pytest.raises(ValueError, match="draft vocabulary"):
-        ModelDrafter(draft, StaticTreeShape.chain(2), target_vocab_size=32)
+        ShapeDrafter(draft, TreeShape.chain(2), "iid", target_vocab_size=32)
 
 
 def test_draft_that_cannot_read_target_tokens_is_refused():
@@ -44,7 +45,7 @@ def test_draft_that_cannot_read_target_tokens_is_refused():
     with pytest.raises(ValueError, match="draft embeds 32 token ids but the target emits 40"):
         check_vocab_sizes(target, draft)
     with pytest.raises(ValueError, match="draft embeds 32 token ids"):
-        ModelDrafter(draft, StaticTreeShape.chain(2), target_vocab_size=40)
+        ShapeDrafter(draft, TreeShape.chain(2), "iid", target_vocab_size=40)
 
 
 def test_empty_prompt():

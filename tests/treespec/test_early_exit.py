@@ -10,7 +10,6 @@ seeds 0..N-1, N = 400, G test with cells of expected count < 5 pooled, alpha = 1
 import pytest
 import torch
 
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.generate import GenerationConfig, generate
 from treespec.models.early_exit import early_exit_model
 from treespec.models.tiny import tiny_model
@@ -37,7 +36,7 @@ def test_early_exit_logits_are_the_truncated_target(arch):
 
 def test_early_exit_draft_is_lossless_at_temperature_zero():
     target = tiny_model("gemma3", 64, seed=0, num_layers=4, logit_scale=8)
-    drafter = ModelDrafter(early_exit_model(target, 3), StaticTreeShape((2, 2, 1)))
+    drafter = ShapeDrafter(early_exit_model(target, 3), TreeShape.widths((2, 2, 1)), "iid")
     cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
     assert generate(target, [5, 6, 7], drafter, cfg).token_ids == generate(target, [5, 6, 7], None, cfg).token_ids
 
