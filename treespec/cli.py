@@ -18,6 +18,7 @@ import sys
 import torch
 
 from .drafting.base import Drafter
+from .drafting.compose import FirstOf
 from .drafting.ngram import NgramConfig, NgramDrafter
 from .generate import GenerationConfig, generate
 from .models.fast import FastGemmaRunner, fast_supported, make_runner
@@ -155,9 +156,7 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
         head = _head_drafter(args, target_model, path)
         if draft == "head":
             return head
-        from .drafting.hybrid import LookupHeadDrafter
-
-        return LookupHeadDrafter(NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True)), head)
+        return FirstOf(NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True)), head)
     if draft == "ngram":
         if args.tree is None:  # the best measured default (benchmarks/results/speed): an adaptive chain
             return NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True))
@@ -244,6 +243,9 @@ def run_generate(args) -> int:
     info = {"method": "plain" if drafter is None else type(drafter).__name__,
             "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature,
             "runner": "fast" if isinstance(runner, FastGemmaRunner) else "eager"}
+    if isinstance(drafter, FirstOf):  # which drafter proposed how many trees
+        info["method"] = f"FirstOf({', '.join(type(d).__name__ for d in drafter.drafters)})"
+        info["proposals"] = drafter.counts
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
                           "statistics": {**summary, **info,

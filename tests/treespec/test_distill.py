@@ -16,8 +16,8 @@ import torch
 from treespec.distill.corpus import CorpusOptions, build_corpus, check_not_eval, load_manifest, shared_dir
 from treespec.distill.train import TrainConfig, train
 from treespec.drafting.base import DraftState
+from treespec.drafting.compose import FirstOf
 from treespec.drafting.head import EagleHead
-from treespec.drafting.hybrid import LookupHeadDrafter
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import tiny_model
@@ -155,16 +155,29 @@ def test_lookup_then_head_greedy_identical_to_plain(target, trained, min_confide
     """N-gram trees where the context repeats, head trees (confidence-pruned or not) elsewhere."""
     _, head, _ = trained
     cfg = GenerationConfig(max_new_tokens=48, sampling=SamplingConfig(0.0), stop_on_eos=False)
-    used = {"ngram": 0, "head": 0}
+    used = [0, 0]  # trees proposed by the n-gram drafter, by the head
     for prompt in [prompts()[1][:12] * 2, [5], prompts()[2][:6]]:
         plain = generate(target, prompt, None, cfg).token_ids
-        drafter = LookupHeadDrafter(NgramDrafter(NgramConfig(depth=6, branches=1, adaptive=True)),
-                                    ShapeDrafter(head, TreeShape.widths((2, 1, 1)), "iid",
-                                                 min_confidence=min_confidence))
+        drafter = FirstOf(NgramDrafter(NgramConfig(depth=6, branches=1, adaptive=True)),
+                          ShapeDrafter(head, TreeShape.widths((2, 1, 1)), "iid", min_confidence=min_confidence))
         assert generate(target, prompt, drafter, cfg).token_ids == plain
-        for k in used:
-            used[k] += drafter.counts[k]
-    assert used["ngram"] > 0 and used["head"] > 0, used
+        used = [u + c for u, c in zip(used, drafter.counts)]
+    assert min(used) > 0, used
+
+
+def test_head_then_lookup_greedy_identical_to_plain(target, trained):
+    """The other order: a head whose confidence threshold prunes its trees to the root (after the root
+    went through its cache) hands the step to lookup, and is told only its root was accepted."""
+    _, head, _ = trained
+    cfg = GenerationConfig(max_new_tokens=48, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    used = [0, 0]
+    for prompt in [prompts()[1][:12] * 2, prompts()[2][:6]]:
+        plain = generate(target, prompt, None, cfg).token_ids
+        drafter = FirstOf(ShapeDrafter(head, TreeShape.widths((2, 1)), "iid", min_confidence=0.9),
+                          NgramDrafter(NgramConfig(depth=6, branches=1)))
+        assert generate(target, prompt, drafter, cfg).token_ids == plain
+        used = [u + c for u, c in zip(used, drafter.counts)]
+    assert used[1] > 0, used  # lookup drafted where the head had nothing confident
 
 
 def test_confidence_pruning_keeps_only_confident_children(target, trained):
@@ -210,7 +223,7 @@ def _small_head(tmp_path):
     return small, head
 
 
-class _WrongLawLookup(LookupHeadDrafter):
+class _WrongLawLookup(FirstOf):
     """Deliberately broken: n-gram trees passed off as i.i.d. draws from a uniform q (they are not)."""
 
     def propose(self, state, sampling, generator):
@@ -218,7 +231,7 @@ class _WrongLawLookup(LookupHeadDrafter):
         from treespec.tree import TokenTree
 
         draft = super().propose(state, sampling, generator)
-        if self.last != "ngram":
+        if self.last != 0:
             return draft
         tree = draft.tree
         q = torch.full((tree.num_nodes, 6), 1 / 6)
@@ -236,17 +249,16 @@ def test_lookup_then_head_law_at_t1(tmp_path, broken):
 
     small, head = _small_head(tmp_path)
     prompt = [1, 2, 3, 1, 2]
-    cls = _WrongLawLookup if broken else LookupHeadDrafter
-    n, counts, used = 600, {}, {"ngram": 0, "head": 0}
+    cls = _WrongLawLookup if broken else FirstOf
+    n, counts, used = 600, {}, [0, 0]
     for seed in range(n):
         drafter = cls(NgramDrafter(NgramConfig(depth=3, branches=2)),
                       ShapeDrafter(head, TreeShape.widths((2, 2)), "iid"))
         out = generate(small, prompt, drafter,
                        GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed, stop_on_eos=False))
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-        for k in used:
-            used[k] += drafter.counts[k]
-    assert used["ngram"] > 0 and used["head"] > 0, used
+        used = [u + c for u, c in zip(used, drafter.counts)]
+    assert min(used) > 0, used
     p_value = g_test(counts, exact_law(small, SamplingConfig(1.0), prompt), n)
     if broken:
         assert p_value < 1e-3, f"the broken twin passed (G-test p = {p_value:.2e})"

@@ -109,6 +109,6 @@ def test_cli_json_speculative_equals_plain(capsys, gemma):
     assert cli_main(args + ["--plain"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
-    assert spec["statistics"]["method"] == "LookupHeadDrafter" and plain["statistics"]["method"] == "plain"
+    assert spec["statistics"]["method"] == "FirstOf(NgramDrafter, ShapeDrafter)" and plain["statistics"]["method"] == "plain"
     assert plain["statistics"]["tau"] == 1.0
     assert isinstance(spec["text"], str) and spec["text"]
