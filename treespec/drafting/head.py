@@ -165,6 +165,19 @@ class EagleHead(nn.Module):
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=allow)
         return self.out_norm(self.layer.finish(x, att))
 
+    # ------------------------------------------------------------------ drafting
+    def as_runner(self):
+        """The head's draft runner (:class:`~treespec.drafting.head_runner.HeadRunner`)."""
+        from .head_runner import HeadRunner  # head_runner builds on this module
+
+        return HeadRunner(self)
+
+    def depth_logits(self, target, ids: torch.Tensor, depths: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-depth logits along a sequence (:func:`~treespec.drafting.head_runner.head_depth_logits`)."""
+        from .head_runner import head_depth_logits
+
+        return head_depth_logits(self, target, ids, depths)
+
     # ------------------------------------------------------------------ saving
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items()}

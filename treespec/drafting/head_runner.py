@@ -53,6 +53,9 @@ class HeadRunner:
         self.vocab_size = head.cfg.target_vocab_size
         self.reset()
 
+    def as_runner(self) -> "HeadRunner":
+        return self
+
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         self.keys: torch.Tensor | None = None  # [1, heads, entries, head_dim]

@@ -126,6 +126,14 @@ class MedusaHeads(nn.Module):
         out[..., self.vocab_ids] = sub
         return out
 
+    def as_runner(self) -> "MedusaRunner":
+        """The heads' draft runner (any tree builder drafts through it)."""
+        return MedusaRunner(self)
+
+    def depth_logits(self, target, ids: torch.Tensor, depths: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-depth logits along a sequence (:func:`medusa_depth_logits`, calibration)."""
+        return medusa_depth_logits(self, target, ids, depths)
+
     # ------------------------------------------------------------------ saving
     def save(self, path: str | Path, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
         """Atomically write the blocks + subset + config to one ``.safetensors`` file."""
@@ -179,6 +187,9 @@ class MedusaRunner:
         self.device = heads.lm_rows.device
         self.vocab_size = heads.cfg.target_vocab_size
         self.reset()
+
+    def as_runner(self) -> "MedusaRunner":
+        return self
 
     def reset(self) -> None:
         self.length = 0  # committed tokens the runner has accounted for (all but the pending root)

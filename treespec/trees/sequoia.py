@@ -146,8 +146,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     context. None: every position counts.
     """
     from ..drafting.head import EagleHead
-    from ..drafting.head_runner import head_depth_logits
-    from ..drafting.medusa import MedusaHeads, medusa_depth_logits
+    from ..drafting.medusa import MedusaHeads
     from ..verify import DEFAULT_VERIFIER
     from ..verify import VERIFIER_RULES
 
@@ -161,8 +160,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     total = torch.zeros(depths, width + 1, dtype=torch.float64)
     weight = torch.zeros(depths, dtype=torch.float64)
     vocab = target.get_output_embeddings().weight.shape[0]
-    is_head = isinstance(draft, (EagleHead, MedusaHeads))
-    depth_logits = medusa_depth_logits if isinstance(draft, MedusaHeads) else head_depth_logits
+    is_head = isinstance(draft, (EagleHead, MedusaHeads))  # drafts from the target's hidden states
     for index, ids in enumerate(prompts):
         ids = list(ids)[:max_positions]
         if len(ids) < 2:
@@ -170,7 +168,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
         gen = 0 if score_from is None else int(score_from[index])
         x = torch.tensor([ids])
         if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
-            t_logits, per_depth = depth_logits(draft, target, x, depths)
+            t_logits, per_depth = draft.depth_logits(target, x, depths)
             nxt = x[0, 2:]  # the text token each row predicts
         else:  # a causal LM reads the true context at every depth: the same rows serve each depth
             t_logits = target(x).logits[0].float()  # [L, V]
