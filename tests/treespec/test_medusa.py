@@ -211,7 +211,7 @@ def test_training_improves_agreement_and_resumes(target, corpus, tmp_path):  # n
     def kl(heads):
         with torch.no_grad():
             logq = torch.log_softmax(heads(batch["h"]), dim=-1)
-            p = torch.softmax(heads.subset_logits(batch["h_label"]), dim=-1)
+            p = torch.softmax(heads.logits(batch["h_label"]), dim=-1)
             per = (p * (torch.log(p.clamp(min=1e-30)) - logq)).sum(-1) * batch["ok_soft"]
             return per.sum(0) / batch["ok_soft"].sum(0)
 

@@ -23,17 +23,13 @@ grows its trees with it (e.g. ``ShapeDrafter(head, TreeShape.widths((2, 1)), "ii
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weights_file import build_checked, read_weights, write_weights
-
-FORMAT = "treespec-eagle-head"
-FORMAT_VERSION = 1
+from .subset_head import SubsetHead
 
 
 @dataclass(frozen=True)
@@ -98,51 +94,35 @@ class HeadLayer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-class EagleHead(nn.Module):
+class EagleHead(SubsetHead):
     """The trained part of the head plus (after :meth:`attach`) frozen references to the target."""
 
+    FORMAT = "treespec-eagle-head"
+    FILE_WHAT = "EAGLE head"
+    CONFIG = HeadConfig
+
     def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg, vocab_ids)
         h = cfg.hidden_size
         self.hidden_norm = RMSNorm(h, cfg.rms_eps)
         self.embed_norm = RMSNorm(h, cfg.rms_eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = HeadLayer(cfg)
         self.out_norm = RMSNorm(h, cfg.rms_eps)
-        ids = torch.as_tensor(vocab_ids, dtype=torch.long).flatten()
-        if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 \
-                or int(ids[-1]) >= cfg.target_vocab_size:
-            raise ValueError("vocab_ids must be strictly increasing ids inside the target vocabulary")
-        self.register_buffer("vocab_ids", ids, persistent=False)
         self._embed: nn.Module | None = None  # the target's input embedding (frozen, not owned)
-        self.register_buffer("lm_rows", torch.empty(0), persistent=False)  # W[S] [|S|, H], frozen copy
 
     # ------------------------------------------------------------------ target coupling
-    def attach(self, target) -> "EagleHead":
-        """Take the target's input embedding and the LM-head rows of the subset (frozen)."""
-        from ..models.runner import ModelRunner
-
-        model = target.model if isinstance(target, ModelRunner) else target
-        emb, out = model.get_input_embeddings(), model.get_output_embeddings()
-        if emb.weight.shape[1] != self.cfg.hidden_size or out.weight.shape[0] != self.cfg.target_vocab_size:
-            raise ValueError("this head was built for another target (hidden size or vocabulary differ)")
+    def _attach_inputs(self, model) -> None:
+        emb = model.get_input_embeddings()
+        if emb.weight.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"{self.FILE_WHAT}: built for another target (hidden size or vocabulary differ)")
         object.__setattr__(self, "_embed", emb)  # not a submodule: never trained, never saved
-        self.lm_rows = out.weight.detach().index_select(0, self.vocab_ids.to(out.weight.device)).float().clone()
-        return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._embed is None:
             raise RuntimeError("attach the head to its target first")
         with torch.no_grad():
             return self._embed(tokens).float()
-
-    def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """Features ``[..., H]`` -> float32 logits over the subset ``[..., |S|]``."""
-        logits = feature.float() @ self.lm_rows.t()
-        if self.cfg.softcap:
-            logits = torch.tanh(logits / self.cfg.softcap) * self.cfg.softcap
-        return logits
 
     def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """fc(norm(h) ++ norm(emb(x))): ``[..., H]``."""
@@ -177,32 +157,6 @@ class EagleHead(nn.Module):
         from .head_runner import head_depth_logits
 
         return head_depth_logits(self, target, ids, depths)
-
-    # ------------------------------------------------------------------ saving
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items()}
-
-    def save(self, path: str | Path, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
-        """Atomically write weights + subset + config to one ``.safetensors`` file."""
-        write_weights(path, self.trained_state(), self.vocab_ids, fmt=FORMAT, version=FORMAT_VERSION,
-                      config=asdict(self.cfg), extra=extra, dtype=dtype)
-
-    @classmethod
-    def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> "EagleHead":
-        config, state, vocab_ids, extra = read_weights(path, fmt=FORMAT, what="EAGLE head")
-        head = build_checked(path, "EAGLE head", HeadConfig, config, state,
-                              lambda cfg: cls(cfg, vocab_ids))
-        head.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-        head.extra = extra
-        head = head.to(device=device, dtype=dtype).eval()
-        if target is not None:
-            head.attach(target)
-        return head
-
-    @property
-    def num_trained_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
 
 def new_head(target, vocab_ids: torch.Tensor, *, num_heads: int = 8, head_dim: int | None = None,

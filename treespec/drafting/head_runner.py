@@ -45,7 +45,7 @@ class HeadRunner:
     """
 
     def __init__(self, head: EagleHead) -> None:
-        if head._embed is None:
+        if not head.attached:
             raise ValueError("attach the head to the target before drafting")
         self.head = head.eval()
         self.model = None  # no causal LM behind this runner

@@ -145,8 +145,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     are then counted, i.e. the positions a generation would draft at; the prompt still serves as
     context. None: every position counts.
     """
-    from ..drafting.head import EagleHead
-    from ..drafting.medusa import MedusaHeads
+    from ..drafting.subset_head import SubsetHead
     from ..verify import DEFAULT_VERIFIER
     from ..verify import VERIFIER_RULES
 
@@ -160,7 +159,7 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     total = torch.zeros(depths, width + 1, dtype=torch.float64)
     weight = torch.zeros(depths, dtype=torch.float64)
     vocab = target.get_output_embeddings().weight.shape[0]
-    is_head = isinstance(draft, (EagleHead, MedusaHeads))  # drafts from the target's hidden states
+    is_head = isinstance(draft, SubsetHead)  # drafts from the target's hidden states
     for index, ids in enumerate(prompts):
         ids = list(ids)[:max_positions]
         if len(ids) < 2:
