@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from treespec.drafting.head import EagleHead  # noqa: E402
+from treespec.files import atomic_write_text  # noqa: E402
 from treespec.drafting.ngram import NgramConfig, NgramDrafter  # noqa: E402
 from treespec.generate import GenerationConfig, generate  # noqa: E402
 from treespec.sampling import SamplingConfig  # noqa: E402
@@ -55,7 +56,8 @@ from treespec.trees.sequoia import (AcceptanceVector, SequoiaDP, measure_accepta
                                     read_prompts)
 from treespec.trees.shape import TreeShape  # noqa: E402
 
-from benchmarks.common import SHARED, add_output_args, bootstrap_ci, finish, median, open_results  # noqa: E402
+from benchmarks.common import (SHARED, add_output_args, bootstrap_ci, finish, median, open_results,  # noqa: E402
+                               write_json)
 from benchmarks.common import load_prompts as load_all_prompts  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
@@ -243,7 +245,7 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
     """results.json, results.md and results.png of what has been measured so far (rewritten after
     every budget, so a run cut short keeps the budgets it finished; ``meta["complete"]`` says which)."""
     commit = meta["commit"]
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    write_json(out / "results.json", {"meta": meta, "results": results})
     lines = [f"# Tree builders, commit {commit}" + ("" if meta["complete"] else " (PARTIAL: run still going or cut short)"), "",
              f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
              f"{meta['machine']['torch_threads']} threads, torch {meta['machine']['torch']}, "
@@ -269,7 +271,7 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
             alt = r.get("predicted_tau_depth1_only")
             lines.append(f"| {r['temperature']:g} | {r['budget']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
                          f"{r['tau'] / r['predicted_tau'] - 1:+.1%} | " + (f"{alt:.2f} |" if alt else "- |"))
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out / "results.md", "\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

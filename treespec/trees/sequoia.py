@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from ..drafting.laws import draw_children
+from ..files import atomic_write_json
 from ..sampling import SamplingConfig, logits_to_probs
 from .shape import TreeShape
 
@@ -83,7 +84,7 @@ class AcceptanceVector:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        atomic_write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "AcceptanceVector":
@@ -408,7 +409,7 @@ class HardwareProfile:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        atomic_write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareProfile":
