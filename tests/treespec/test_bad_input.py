@@ -14,7 +14,7 @@ from treespec.sampling import NonFiniteLogitsError, SamplingConfig
 from treespec.tree import TokenTree
 from treespec.trees.grow import ShapeDrafter
 from treespec.trees.shape import TreeShape
-from treespec.verify import verify_rrs
+from treespec.verify import VERIFIERS
 
 
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
@@ -108,4 +108,4 @@ def test_unsupported_tree_verifier_pair():
         generate(model, [1, 2, 3, 1, 2], NgramDrafter(), cfg)
     tree = TokenTree.from_lists([-1, 0], [1, 2], "iid")
     with pytest.raises(ValueError, match="draft_probs .* must match target_probs"):
-        verify_rrs(tree, torch.full((2, 8), 1 / 8), torch.full((2, 9), 1 / 9))
+        VERIFIERS["rrs"](tree, torch.full((2, 8), 1 / 8), torch.full((2, 9), 1 / 9))

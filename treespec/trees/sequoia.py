@@ -147,15 +147,14 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
     context. None: every position counts.
     """
     from ..drafting.subset_head import SubsetHead
-    from ..verify import DEFAULT_VERIFIER
-    from ..verify import VERIFIER_RULES
+    from ..verify import VERIFIER_RULES, resolve_verifier
 
     if depths < 1:
         raise ValueError("depths must be >= 1")
     if score_from is not None and len(score_from) != len(prompts):
         raise ValueError(f"score_from has {len(score_from)} entries for {len(prompts)} prompts")
     law = "deterministic" if sampling.greedy else law
-    name = "greedy" if sampling.greedy else (verifier or DEFAULT_VERIFIER[law])
+    name = resolve_verifier("auto" if sampling.greedy else verifier or "auto", law, sampling)
     rule = VERIFIER_RULES[name]
     total = torch.zeros(depths, width + 1, dtype=torch.float64)
     weight = torch.zeros(depths, dtype=torch.float64)
