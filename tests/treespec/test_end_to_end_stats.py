@@ -13,8 +13,6 @@ import itertools
 import math
 
 import pytest
-
-pytestmark = pytest.mark.stats
 import torch
 from stats_helpers import g_test_law
 
@@ -27,6 +25,8 @@ from treespec.sampling import SamplingConfig, logits_to_probs
 from treespec.trees.grow import ShapeDrafter
 from treespec.trees.shape import TreeShape
 from treespec.verify.core import verify_tree
+
+pytestmark = pytest.mark.stats
 
 V = 6
 PROMPT = [1, 2, 3]
