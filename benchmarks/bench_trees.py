@@ -52,8 +52,9 @@ from treespec.trees.dyspec import DySpecDrafter  # noqa: E402
 from treespec.trees.eagle2 import Eagle2Drafter  # noqa: E402
 from treespec.trees.grow import ShapeDrafter  # noqa: E402
 from treespec.trees.merged import MergedDrafter  # noqa: E402
-from treespec.trees.sequoia import (AcceptanceVector, SequoiaDP, measure_acceptance_vector, predicted_tau,  # noqa: E402
-                                    read_prompts)
+from treespec.calibration import measure_acceptance_vector  # noqa: E402
+from treespec.distill.inputs import read_prompt_texts  # noqa: E402
+from treespec.trees.sequoia import AcceptanceVector, SequoiaDP, predicted_tau  # noqa: E402
 from treespec.trees.shape import TreeShape  # noqa: E402
 
 from benchmarks.common import (SHARED, add_output_args, bootstrap_ci, finish, median, open_results,  # noqa: E402
@@ -167,7 +168,7 @@ def calibration_sequences(target, draft, encode, args):
     with ``--calib-generated-only``, so only positions a generation drafts at are counted.
     """
     if not args.calib_held_out:
-        texts = read_prompts(TRAIN, args.calib_prompts)
+        texts = read_prompt_texts(TRAIN, args.calib_prompts)
     else:
         texts = [r["prompt"] for r in held_out_rows(args.calib_prompts, args.calib_mix)]
     n, limit = args.calib_continue, args.calib_max_len

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from .drafting.base import Draft, Drafter, DraftState, NoDrafter
+from .models.loading import eos_token_ids
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig, logits_to_probs
 from .verify import VERIFIERS, VerifyResult, resolve_verifier
@@ -92,19 +93,6 @@ class GenerationResult:
             "other_s": other,
             "stopped_on_eos": self.stopped_on_eos,
         }
-
-
-def eos_token_ids(model) -> set[int]:
-    """EOS ids from the model's generation config (falling back to its config)."""
-    ids = None
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        ids = gen.eos_token_id
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None:
-        return set()
-    return {int(i) for i in ([ids] if isinstance(ids, int) else ids)}
 
 
 def _verifier(name: str, law: str, sampling: SamplingConfig) -> tuple[str, Callable[..., VerifyResult]]:

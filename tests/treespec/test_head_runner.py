@@ -12,6 +12,7 @@
 import pytest
 import torch
 
+from treespec.calibration import measure_acceptance_vector
 from treespec.drafting.base import DraftState
 from treespec.drafting.head_runner import HeadRunner, head_depth_logits
 from treespec.drafting.ngram import NgramConfig
@@ -22,7 +23,7 @@ from treespec.trees.dyspec import DySpecDrafter
 from treespec.trees.eagle2 import Eagle2Drafter
 from treespec.trees.grow import ShapeDrafter
 from treespec.trees.merged import MergedDrafter
-from treespec.trees.sequoia import SequoiaDP, measure_acceptance_vector
+from treespec.trees.sequoia import SequoiaDP
 from treespec.trees.shape import TreeShape
 
 from .test_distill import _small_head, corpus, prompts, target, trained  # noqa: F401

@@ -18,6 +18,7 @@
 import pytest
 import torch
 
+from treespec.calibration import measure_acceptance_vector
 from treespec.distill.medusa import MedusaTrainConfig, PositionPool, evaluate_medusa, train_medusa
 from treespec.drafting.base import DraftState
 from treespec.drafting.medusa import MedusaConfig, MedusaHeads, MedusaRunner, medusa_depth_logits, new_medusa_heads
@@ -28,7 +29,7 @@ from treespec.tree import TokenTree
 from treespec.trees.dyspec import DySpecDrafter
 from treespec.trees.eagle2 import Eagle2Drafter
 from treespec.trees.grow import ShapeDrafter
-from treespec.trees.sequoia import SequoiaDP, measure_acceptance_vector
+from treespec.trees.sequoia import SequoiaDP
 from treespec.trees.shape import TreeShape
 
 from .test_distill import corpus, prompts, target  # noqa: F401
