@@ -133,15 +133,11 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None) -> Meth
 
 
 def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None):
-    """A drafter built by ``treespec.cli`` itself, as ``treespec generate --draft DRAFT`` would."""
-    from treespec.cli import _drafter
+    """A drafter from the registry ``treespec generate --draft DRAFT`` uses (one per temperature)."""
+    from treespec.drafters import DraftOptions, build_drafter
 
-    def make(temperature: float):
-        ns = argparse.Namespace(plain=False, draft=draft, target="embedded", temperature=temperature, tree=None,
-                                min_confidence=min_confidence, law="iid", top_k=0, top_p=1.0)
-        return _drafter(ns, model, tok, dtype)
-
-    return make
+    options = DraftOptions(min_confidence=min_confidence)
+    return lambda temperature: build_drafter(draft, model, options, tokenizer=tok, dtype=dtype)
 
 
 def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Method]:
@@ -185,17 +181,13 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
         add("ts_head_eagle2", lambda t: Eagle2Drafter(head, 8, top_k=4, depth=4),
             "shipped head behind EAGLE-2, 8 nodes, top-4, depth 4")
         if "ts_online_head" in wanted:
+            from treespec.drafters import build_drafter
             from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
-            from treespec.drafting.shipped import DEFAULT_HEAD_SETTINGS
-            from treespec.trees.grow import ShapeDrafter
-            from treespec.trees.shape import TreeShape
 
             learner = [None]
 
-            def fresh_head() -> None:
-                learner[0] = OnlineHeadDrafter(ShapeDrafter(
-                    load_default_head(model), TreeShape.widths(DEFAULT_HEAD_SETTINGS["tree"]), "iid",
-                    min_confidence=DEFAULT_HEAD_SETTINGS["min_confidence"]), OnlineHeadConfig())
+            def fresh_head() -> None:  # the shipped head as --draft head builds it, its own copy
+                learner[0] = OnlineHeadDrafter(build_drafter("head", model), OnlineHeadConfig())
 
             fresh_head()
             add("ts_online_head", lambda t: learner[0], "OnlineHeadDrafter (own head copy per T)", fresh_head)
