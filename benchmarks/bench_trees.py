@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -43,62 +42,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from treespec.calibration import measure_acceptance_vector  # noqa: E402
+from treespec.distill.inputs import read_prompt_texts  # noqa: E402
+from treespec.drafters import build_tree_drafter  # noqa: E402
 from treespec.drafting.head import EagleHead  # noqa: E402
-from treespec.drafting.ngram import NgramConfig, NgramDrafter  # noqa: E402
+from treespec.files import atomic_write_text  # noqa: E402
 from treespec.generate import GenerationConfig, generate  # noqa: E402
 from treespec.sampling import SamplingConfig  # noqa: E402
-from treespec.trees.dyspec import DySpecDrafter  # noqa: E402
-from treespec.trees.eagle2 import Eagle2Drafter  # noqa: E402
-from treespec.trees.grow import ShapeDrafter  # noqa: E402
-from treespec.trees.merged import MergedDrafter  # noqa: E402
-from treespec.trees.sequoia import (AcceptanceVector, SequoiaDP, measure_acceptance_vector, predicted_tau,  # noqa: E402
-                                    read_prompts)
-from treespec.trees.shape import TreeShape  # noqa: E402
+from treespec.trees.sequoia import AcceptanceVector, SequoiaDP, predicted_tau  # noqa: E402
 
-from benchmarks.common import SHARED, add_output_args, bootstrap_ci, finish, median, open_results  # noqa: E402
+from benchmarks.common import (SHARED, add_output_args, bootstrap_ci, finish, median, open_results,  # noqa: E402
+                               write_json)
 from benchmarks.common import load_prompts as load_all_prompts  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
 MODEL_FREE = ("ngram",)
 MODEL_BUILDERS = ("chain", "specinfer", "spectr", "sequoia", "dyspec", "dyspec_threshold", "eagle2", "merged")
-
-
-def specinfer_widths(budget: int) -> tuple[int, ...]:
-    """Per-depth widths <4, 2, 2, 1, 1, ...> grown while the tree fits the budget."""
-    plan, widths = [4, 2, 2] + [1] * 16, []
-    for w in plan:
-        if TreeShape.widths(tuple(widths + [w])).num_drafted > budget:
-            break
-        widths.append(w)
-    return tuple(widths) or (min(budget, 1),)
-
-
-def make_drafter(name: str, budget: int, draft, vocab: int, acc: list[float] | None, max_depth: int):
-    ngram = lambda n: NgramDrafter(NgramConfig(depth=min(8, n), branches=max(1, math.ceil(n / 8)),  # noqa: E731
-                                               max_nodes=n))
-    if name == "ngram":
-        return ngram(budget)
-    law = "without_replacement"
-    if name == "chain":
-        return ShapeDrafter(draft, TreeShape.chain(min(budget, max_depth)), law, vocab)
-    if name == "specinfer":
-        return ShapeDrafter(draft, TreeShape.widths(specinfer_widths(budget)), law, vocab)
-    if name == "spectr":
-        return ShapeDrafter(draft, TreeShape.independent_chains(4, max(1, min(budget // 4, max_depth))), "iid", vocab)
-    if name == "sequoia":
-        return ShapeDrafter(draft, SequoiaDP(acc, budget, max_depth).shape(budget, max_depth), law, vocab)
-    if name == "dyspec":
-        return DySpecDrafter(draft, budget, max_depth, target_vocab_size=vocab)
-    if name == "dyspec_threshold":
-        return DySpecDrafter(draft, budget, max_depth, variant="threshold", target_vocab_size=vocab)
-    if name == "eagle2":
-        return Eagle2Drafter(draft, budget, top_k=min(8, budget), depth=max_depth, target_vocab_size=vocab)
-    if name == "merged":
-        extra = max(1, budget // 4)
-        return MergedDrafter(Eagle2Drafter(draft, budget - extra, top_k=min(8, budget), depth=max_depth,
-                                           target_vocab_size=vocab),
-                             NgramConfig(depth=min(8, extra), branches=2, max_nodes=extra))
-    raise ValueError(name)
 
 
 # Spec-Bench subtask -> train-file categories of the same kind of task (for --calib-mix specbench)
@@ -165,7 +124,7 @@ def calibration_sequences(target, draft, encode, args):
     with ``--calib-generated-only``, so only positions a generation drafts at are counted.
     """
     if not args.calib_held_out:
-        texts = read_prompts(TRAIN, args.calib_prompts)
+        texts = read_prompt_texts(TRAIN, args.calib_prompts)
     else:
         texts = [r["prompt"] for r in held_out_rows(args.calib_prompts, args.calib_mix)]
     n, limit = args.calib_continue, args.calib_max_len
@@ -243,7 +202,7 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
     """results.json, results.md and results.png of what has been measured so far (rewritten after
     every budget, so a run cut short keeps the budgets it finished; ``meta["complete"]`` says which)."""
     commit = meta["commit"]
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    write_json(out / "results.json", {"meta": meta, "results": results})
     lines = [f"# Tree builders, commit {commit}" + ("" if meta["complete"] else " (PARTIAL: run still going or cut short)"), "",
              f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
              f"{meta['machine']['torch_threads']} threads, torch {meta['machine']['torch']}, "
@@ -269,7 +228,7 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
             alt = r.get("predicted_tau_depth1_only")
             lines.append(f"| {r['temperature']:g} | {r['budget']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
                          f"{r['tau'] / r['predicted_tau'] - 1:+.1%} | " + (f"{alt:.2f} |" if alt else "- |"))
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out / "results.md", "\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -424,7 +383,7 @@ def main(argv=None) -> int:
     for t in temps:
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(t), stop_on_eos=False)
         for b in budgets:
-            makers = {name: (lambda name=name, b=b: make_drafter(name, b, draft, vocab, accs.get(t), args.max_depth))
+            makers = {name: (lambda name=name, b=b: build_tree_drafter(name, draft, b, vocab=vocab, acc=accs.get(t), max_depth=args.max_depth))
                       for name in builders}
             for make in makers.values():
                 generate(target, prompts_ids[0], make(), warm)  # warm-up

@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from treespec.files import atomic_write_json
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 #: the shared data folder: ``../shared`` next to the repository, or ``$TREESPEC_SHARED``
@@ -295,6 +297,4 @@ def bootstrap_ci(values: list[float], *, stat=median, n_boot: int = 2000, level:
 
 
 def write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+    atomic_write_json(path, data, default=str)

@@ -25,6 +25,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
+from treespec.files import atomic_write_text  # noqa: E402
 
 GOALS = {"top1_agreement_T0": 0.70, "sum_min_pq_T1": 0.60, "step_fraction": 0.05}
 
@@ -156,14 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     run_summary = json.loads(args.run_summary.read_text()) if args.run_summary else None
     commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
     card = render(args.head, meta, metrics, corpora, run_summary, commit)
-    tmp = args.card.with_suffix(".tmp")
-    tmp.write_text(card)
-    tmp.replace(args.card)
+    atomic_write_text(args.card, card)
     write_json(rec / "metrics.json", {"metrics": metrics, "corpora": corpora, "run_summary": run_summary,
                                       "sources": {"head": str(args.head), "metrics": str(args.metrics),
                                                   "run_summary": str(args.run_summary) if args.run_summary else None},
                                       "head_metadata": {k: meta[k] for k in ("config", "extra")}})
-    (rec / "card.md").write_text(card)
+    atomic_write_text(rec / "card.md", card)
     finish(rec, started)
     print(card)
     return 0

@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import SHARED, add_output_args, finish, open_results, write_json  # noqa: E402
-from treespec.trees.sequoia import HardwareProfile, read_prompts  # noqa: E402
+from treespec.distill.inputs import read_prompt_texts  # noqa: E402
+from treespec.trees.sequoia import HardwareProfile  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
 
     target = load_model("embedded", dtype="float32")
     tok = load_tokenizer("embedded")
-    prompts = [tok(p)["input_ids"][:128] for p in read_prompts(TRAIN, args.prompts)]
+    prompts = [tok(p)["input_ids"][:128] for p in read_prompt_texts(TRAIN, args.prompts)]
     agree = {L: 0.0 for L in args.layers}
     overlap = {L: 0.0 for L in args.layers}
     count = 0

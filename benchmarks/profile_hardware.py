@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
 from treespec.models.loading import load_draft_model, load_model  # noqa: E402
-from treespec.trees.sequoia import measure_profile  # noqa: E402
+from treespec.calibration import measure_profile  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

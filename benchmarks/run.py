@@ -134,16 +134,12 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None) -> Meth
 
 def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None,
                 tree: tuple[int, ...] | None = None, law: str = "iid"):
-    """A drafter built by ``treespec.cli`` itself, as ``treespec generate --draft DRAFT [--tree T]
-    [--min-confidence C] [--law L]`` would."""
-    from treespec.cli import _drafter
+    """A drafter from the registry ``treespec generate --draft DRAFT [--tree T] [--min-confidence C]
+    [--law L]`` uses (one per temperature)."""
+    from treespec.drafters import DraftOptions, build_drafter
 
-    def make(temperature: float):
-        ns = argparse.Namespace(plain=False, draft=draft, target="embedded", temperature=temperature, tree=tree,
-                                min_confidence=min_confidence, law=law, top_k=0, top_p=1.0)
-        return _drafter(ns, model, tok, dtype)
-
-    return make
+    options = DraftOptions(tree=tree, law=law, min_confidence=min_confidence)
+    return lambda temperature: build_drafter(draft, model, options, tokenizer=tok, dtype=dtype)
 
 
 def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Method]:
@@ -193,17 +189,13 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
         add("ts_head_eagle2", lambda t: Eagle2Drafter(head, 8, top_k=4, depth=4),
             "shipped head behind EAGLE-2, 8 nodes, top-4, depth 4")
         if "ts_online_head" in wanted:
-            from treespec.trees.static import StaticTreeShape
-            from treespec.drafting.head import HeadDrafter
+            from treespec.drafters import build_drafter
             from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
-            from treespec.drafting.shipped import DEFAULT_HEAD_SETTINGS
 
             learner = [None]
 
-            def fresh_head() -> None:
-                learner[0] = OnlineHeadDrafter(HeadDrafter(load_default_head(model), StaticTreeShape(
-                    DEFAULT_HEAD_SETTINGS["tree"]), min_confidence=DEFAULT_HEAD_SETTINGS["min_confidence"]),
-                    OnlineHeadConfig())
+            def fresh_head() -> None:  # the shipped head as --draft head builds it, its own copy
+                learner[0] = OnlineHeadDrafter(build_drafter("head", model), OnlineHeadConfig())
 
             fresh_head()
             add("ts_online_head", lambda t: learner[0], "OnlineHeadDrafter (own head copy per T)", fresh_head)

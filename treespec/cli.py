@@ -17,9 +17,9 @@ import sys
 
 import torch
 
+from .drafters import DraftOptions, build_drafter
 from .drafting.base import Drafter
-from .trees.static import ModelDrafter, StaticTreeShape
-from .drafting.ngram import NgramConfig, NgramDrafter
+from .drafting.compose import FirstOf
 from .generate import GenerationConfig, generate
 from .models.fast import FastGemmaRunner, fast_supported, make_runner
 from .models.runner import ModelRunner
@@ -131,58 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _head_drafter(args, target_model, path: str | None) -> Drafter:
-    from .drafting.head import EagleHead, HeadDrafter
-    from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
-
-    head = load_default_head(target_model) if path is None else EagleHead.load(path, target_model)
-    settings = DEFAULT_HEAD_SETTINGS if path is None else {"tree": (1, 1, 1, 1), "min_confidence": 0.0}
-    branching = args.tree or settings["tree"]
-    branching = (1,) * branching[0] if len(branching) == 1 else tuple(branching)
-    confidence = settings["min_confidence"] if args.min_confidence is None else args.min_confidence
-    return HeadDrafter(head, StaticTreeShape(branching, args.law), min_confidence=confidence)
-
-
 def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
     if args.plain or args.draft == "none":
         return None
     draft = args.draft
     if draft == "auto":  # measured (benchmarks/results/speed/2026-11-22-t0, -t1): the head pays at T=0 only
         draft = "lookup+head" if args.target == "embedded" and args.temperature == 0 else "ngram"
-    if draft == "head" or draft.startswith("lookup+"):
-        path = None if draft in ("head", "lookup+head") else draft.removeprefix("lookup+")
-        head = _head_drafter(args, target_model, path)
-        if draft == "head":
-            return head
-        from .drafting.hybrid import LookupHeadDrafter
-
-        return LookupHeadDrafter(NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True)), head)
-    if draft == "ngram":
-        if args.tree is None:  # the best measured default (benchmarks/results/speed): an adaptive chain
-            return NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True))
-        if len(args.tree) != 2:
-            raise SystemExit("treespec: for --draft ngram, --tree takes depth,branches (e.g. 8,4)")
-        depth, branches = args.tree
-        return NgramDrafter(NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches))
-    if args.draft.startswith("early-exit:"):  # the target's own first layers (self-speculative)
-        from .models.loading import load_draft_model
-
-        branching = args.tree or (1, 1, 1, 1)
-        branching = (1,) * branching[0] if len(branching) == 1 else branching
-        return ModelDrafter(load_draft_model(args.draft, target_model), StaticTreeShape(branching, args.law))
-    if args.draft.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
-        return _head_drafter(args, target_model, args.draft)
-    from .models.compat import check_tokenizers, check_vocab_sizes
-    from .models.loading import load_model, load_tokenizer
-
-    check_tokenizers(target_tokenizer, load_tokenizer(args.draft))
-    draft_model = load_model(args.draft, dtype=dtype)
-    check_vocab_sizes(target_model, draft_model)
-    branching = args.tree or (1, 1, 1, 1)
-    if len(branching) == 1:
-        branching = (1,) * branching[0]
-    return ModelDrafter(draft_model, StaticTreeShape(branching, args.law),
-                        target_model.get_output_embeddings().weight.shape[0])
+    if draft == "ngram" and args.tree is not None and len(args.tree) != 2:
+        raise SystemExit("treespec: for --draft ngram, --tree takes depth,branches (e.g. 8,4)")
+    options = DraftOptions(tuple(args.tree) if args.tree else None, args.law, args.min_confidence)
+    return build_drafter(draft, target_model, options, tokenizer=target_tokenizer, dtype=dtype)
 
 
 def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -243,6 +201,9 @@ def run_generate(args) -> int:
     info = {"method": "plain" if drafter is None else type(drafter).__name__,
             "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature,
             "runner": "fast" if isinstance(runner, FastGemmaRunner) else "eager"}
+    if isinstance(drafter, FirstOf):  # which drafter proposed how many trees
+        info["method"] = f"FirstOf({', '.join(type(d).__name__ for d in drafter.drafters)})"
+        info["proposals"] = drafter.counts
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
                           "statistics": {**summary, **info,

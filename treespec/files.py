@@ -53,9 +53,10 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def atomic_write_json(path: str | Path, data: Any, *, indent: int | None = 1) -> None:
-    """Atomically write ``data`` as JSON to ``path``."""
-    atomic_write_text(path, json.dumps(data, indent=indent))
+def atomic_write_json(path: str | Path, data: Any, *, indent: int | None = 1,
+                      default: Callable[[Any], Any] | None = None) -> None:
+    """Atomically write ``data`` as JSON to ``path`` (``default`` as in :func:`json.dumps`)."""
+    atomic_write_text(path, json.dumps(data, indent=indent, default=default))
 
 
 def pid_alive(pid: int) -> bool:

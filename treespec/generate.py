@@ -16,9 +16,10 @@ from typing import Callable
 import torch
 
 from .drafting.base import Draft, Drafter, DraftState, NoDrafter
+from .models.loading import eos_token_ids
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig, logits_to_probs
-from .verify import DEFAULT_VERIFIER, VERIFIERS, VerifyResult
+from .verify import VERIFIERS, VerifyResult, resolve_verifier
 
 
 @dataclass(frozen=True)
@@ -94,23 +95,9 @@ class GenerationResult:
         }
 
 
-def eos_token_ids(model) -> set[int]:
-    """EOS ids from the model's generation config (falling back to its config)."""
-    ids = None
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        ids = gen.eos_token_id
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None:
-        return set()
-    return {int(i) for i in ([ids] if isinstance(ids, int) else ids)}
-
-
-def _resolve_verifier(name: str, law: str, sampling: SamplingConfig) -> tuple[str, Callable[..., VerifyResult]]:
-    if name == "auto":
-        name = "greedy" if sampling.greedy else DEFAULT_VERIFIER[law]
-    return name, VERIFIERS[name]
+def _verifier(name: str, law: str, sampling: SamplingConfig) -> tuple[str, Callable[..., VerifyResult]]:
+    name = resolve_verifier(name, law, sampling)
+    return name, VERIFIERS[name]  # looked up per call: a patched table is honoured
 
 
 class ConcurrentDrafterError(RuntimeError):
@@ -180,7 +167,7 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
         )
     sampling = config.sampling
     law = drafter.law(sampling)
-    verifier_name, verify = _resolve_verifier(config.verifier, law, sampling)
+    verifier_name, verify = _verifier(config.verifier, law, sampling)
     eos = eos_token_ids(runner.model) if eos_ids is None else set(eos_ids)
     generator = torch.Generator(device=runner.device)
     if config.seed is not None:
@@ -208,7 +195,7 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
         tree = draft.tree
         if config.verifier == "auto" and tree.law != law:  # a drafter mixing laws (e.g. n-gram + head)
             law = tree.law
-            verifier_name, verify = _resolve_verifier("auto", law, sampling)
+            verifier_name, verify = _verifier("auto", law, sampling)
         t1 = time.perf_counter()
         # verify the whole tree in one target pass
         nodes = torch.arange(tree.num_nodes, device=runner.device)

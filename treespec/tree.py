@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .files import atomic_write_json
+
 DRAFT_LAWS = ("iid", "without_replacement", "deterministic", "greedy_draft", "spechub")
 
 
@@ -179,7 +181,7 @@ class TokenTree:
         return cls.from_lists(data["parents"], data["tokens"], data.get("law", "deterministic"), device)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
+        atomic_write_json(path, self.to_dict(), indent=None)
 
     @classmethod
     def load(cls, path: str | Path) -> "TokenTree":

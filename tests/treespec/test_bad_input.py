@@ -6,14 +6,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from treespec.cli import main as cli_main
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.compat import check_tokenizers, check_vocab_sizes
 from treespec.models.tiny import tiny_model
 from treespec.sampling import NonFiniteLogitsError, SamplingConfig
 from treespec.tree import TokenTree
-from treespec.verify import verify_rrs
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
+from treespec.verify import VERIFIERS
 
 
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
@@ -36,7 +37,7 @@ def test_draft_vocabulary_larger_than_target_is_refused():
     with pytest.raises(ValueError, match=r"draft vocabulary \(48 logits\) is larger than the target's \(32\)"):
         check_vocab_sizes(target, draft)
     with pytest.raises(ValueError, match="draft vocabulary"):
-        ModelDrafter(draft, StaticTreeShape.chain(2), target_vocab_size=32)
+        ShapeDrafter(draft, TreeShape.chain(2), "iid", target_vocab_size=32)
 
 
 def test_draft_that_cannot_read_target_tokens_is_refused():
@@ -44,7 +45,7 @@ def test_draft_that_cannot_read_target_tokens_is_refused():
     with pytest.raises(ValueError, match="draft embeds 32 token ids but the target emits 40"):
         check_vocab_sizes(target, draft)
     with pytest.raises(ValueError, match="draft embeds 32 token ids"):
-        ModelDrafter(draft, StaticTreeShape.chain(2), target_vocab_size=40)
+        ShapeDrafter(draft, TreeShape.chain(2), "iid", target_vocab_size=40)
 
 
 def test_empty_prompt():
@@ -107,4 +108,4 @@ def test_unsupported_tree_verifier_pair():
         generate(model, [1, 2, 3, 1, 2], NgramDrafter(), cfg)
     tree = TokenTree.from_lists([-1, 0], [1, 2], "iid")
     with pytest.raises(ValueError, match="draft_probs .* must match target_probs"):
-        verify_rrs(tree, torch.full((2, 8), 1 / 8), torch.full((2, 9), 1 / 9))
+        VERIFIERS["rrs"](tree, torch.full((2, 8), 1 / 8), torch.full((2, 9), 1 / 9))

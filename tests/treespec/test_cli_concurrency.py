@@ -1,5 +1,5 @@
 """Concurrency rule: one drafter serves one request at a time. Passing a drafter that is generating
-in one thread to generate() in another raises ConcurrentDrafterError (a shared ModelDrafter used to
+in one thread to generate() in another raises ConcurrentDrafterError (a shared ShapeDrafter used to
 corrupt its KV cache: shape errors or wrong tokens); one drafter per thread gives the single-threaded
 outputs."""
 
@@ -10,10 +10,11 @@ import threading
 import pytest
 import torch
 
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.generate import ConcurrentDrafterError, GenerationConfig, generate
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 
 CONFIG = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(1.0), seed=3, stop_on_eos=False)
 PROMPTS = [[1, 2, 3, 1, 2, 3, i] for i in range(4)]
@@ -27,7 +28,7 @@ def models():
 
 def test_shared_drafter_in_another_thread_is_refused(models):
     target, draft = models
-    drafter = ModelDrafter(draft, StaticTreeShape((2, 1)))
+    drafter = ShapeDrafter(draft, TreeShape.widths((2, 1)), "iid")
     inside, release, errors = threading.Event(), threading.Event(), []
 
     def hold(_new_ids: list[int]) -> None:  # keeps the first call inside generate()
@@ -51,18 +52,18 @@ def test_shared_drafter_in_another_thread_is_refused(models):
     first.join(10)
     assert len(errors) == 1 and "give each thread its own drafter" in errors[0]
     # released afterwards: the same drafter serves the next request, with the sequential result
-    fresh = generate(target, PROMPTS[1], ModelDrafter(draft, StaticTreeShape((2, 1))), CONFIG).token_ids
+    fresh = generate(target, PROMPTS[1], ShapeDrafter(draft, TreeShape.widths((2, 1)), "iid"), CONFIG).token_ids
     assert generate(target, PROMPTS[1], drafter, CONFIG).token_ids == fresh
 
 
 def test_one_drafter_per_thread_equals_single_threaded(models):
     target, draft = models
-    reference = [generate(target, p, ModelDrafter(draft, StaticTreeShape((2, 1))), CONFIG).token_ids
+    reference = [generate(target, p, ShapeDrafter(draft, TreeShape.widths((2, 1)), "iid"), CONFIG).token_ids
                  for p in PROMPTS]
     results: list[list[int] | None] = [None] * 4
 
     def run(i: int) -> None:
-        results[i] = generate(target, PROMPTS[i], ModelDrafter(draft, StaticTreeShape((2, 1))), CONFIG).token_ids
+        results[i] = generate(target, PROMPTS[i], ShapeDrafter(draft, TreeShape.widths((2, 1)), "iid"), CONFIG).token_ids
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:

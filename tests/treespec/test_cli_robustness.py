@@ -175,8 +175,8 @@ def test_cli_missing_draft_directory(capsys, tiny_dir):  # noqa: F811
 
 
 def test_nan_head_at_positive_temperature_is_named(target):
-    from treespec.drafting.head import HeadDrafter
-    from treespec.trees.static import StaticTreeShape
+    from treespec.trees.grow import ShapeDrafter
+    from treespec.trees.shape import TreeShape
     from treespec.generate import generate
     from treespec.sampling import NonFiniteLogitsError
 
@@ -185,6 +185,6 @@ def test_nan_head_at_positive_temperature_is_named(target):
     with torch.no_grad():
         for p in head.parameters():
             p.fill_(float("nan"))
-    drafter = HeadDrafter(head, StaticTreeShape((2, 1), "iid"), min_confidence=0.0)
+    drafter = ShapeDrafter(head, TreeShape.widths((2, 1)), "iid", min_confidence=0.0)
     with pytest.raises(NonFiniteLogitsError, match="NaN logits"):
         generate(target, [1, 2, 3], drafter, GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(1.0)))

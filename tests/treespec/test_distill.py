@@ -6,6 +6,8 @@ is trained for a few dozen steps; it need not be good, only exercised: greedy ou
 plain greedy decoding (fp32), the T=1 output law must equal the target's (G test, seed i for
 i in range(N), N = 600, alpha = 1e-3, same helpers as test_end_to_end_stats), resuming from a
 checkpoint must continue exactly, and q must be exactly 0 outside the vocabulary subset.
+Power (stats_helpers): at N = 600, alpha = 1e-3, power 0.9 and df 10 it detects KL >= 0.029 nats,
+i.e. any total-variation shift >= 0.12.
 """
 
 import json
@@ -16,13 +18,14 @@ import torch
 from treespec.distill.corpus import CorpusOptions, build_corpus, check_not_eval, load_manifest, shared_dir
 from treespec.distill.train import TrainConfig, train
 from treespec.drafting.base import DraftState
-from treespec.drafting.head import EagleHead, HeadDrafter
-from treespec.drafting.hybrid import LookupHeadDrafter
+from treespec.drafting.compose import FirstOf
+from treespec.drafting.head import EagleHead
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
-from treespec.trees.static import StaticTreeShape
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 
 from .test_end_to_end_stats import g_test
 
@@ -124,7 +127,7 @@ def test_resume_from_checkpoint_continues_exactly(target, corpus, trained, tmp_p
 def test_restricted_vocabulary_is_exact(target, trained):
     _, head, _ = trained
     assert head.vocab_ids.numel() < V
-    drafter = HeadDrafter(head, StaticTreeShape((3, 2), "iid"))
+    drafter = ShapeDrafter(head, TreeShape.widths((3, 2)), "iid")
     prompt = prompts()[0][:10]
     drafter.begin(prompt)
     hidden = target.base_model(input_ids=torch.tensor([prompt[:-1]])).last_hidden_state[0]
@@ -145,7 +148,7 @@ def test_greedy_generation_identical_to_plain(target, trained, shape):
     cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
     for prompt in [prompts()[1][:12], [5], prompts()[2][:3]]:
         plain = generate(target, prompt, None, cfg).token_ids
-        out = generate(target, prompt, HeadDrafter(head, StaticTreeShape(shape)), cfg)
+        out = generate(target, prompt, ShapeDrafter(head, TreeShape.widths(shape), "iid"), cfg)
         assert out.token_ids == plain
 
 
@@ -154,15 +157,29 @@ def test_lookup_then_head_greedy_identical_to_plain(target, trained, min_confide
     """N-gram trees where the context repeats, head trees (confidence-pruned or not) elsewhere."""
     _, head, _ = trained
     cfg = GenerationConfig(max_new_tokens=48, sampling=SamplingConfig(0.0), stop_on_eos=False)
-    used = {"ngram": 0, "head": 0}
+    used = [0, 0]  # trees proposed by the n-gram drafter, by the head
     for prompt in [prompts()[1][:12] * 2, [5], prompts()[2][:6]]:
         plain = generate(target, prompt, None, cfg).token_ids
-        drafter = LookupHeadDrafter(NgramDrafter(NgramConfig(depth=6, branches=1, adaptive=True)),
-                                    HeadDrafter(head, StaticTreeShape((2, 1, 1)), min_confidence=min_confidence))
+        drafter = FirstOf(NgramDrafter(NgramConfig(depth=6, branches=1, adaptive=True)),
+                          ShapeDrafter(head, TreeShape.widths((2, 1, 1)), "iid", min_confidence=min_confidence))
         assert generate(target, prompt, drafter, cfg).token_ids == plain
-        for k in used:
-            used[k] += drafter.counts[k]
-    assert used["ngram"] > 0 and used["head"] > 0, used
+        used = [u + c for u, c in zip(used, drafter.counts)]
+    assert min(used) > 0, used
+
+
+def test_head_then_lookup_greedy_identical_to_plain(target, trained):
+    """The other order: a head whose confidence threshold prunes its trees to the root (after the root
+    went through its cache) hands the step to lookup, and is told only its root was accepted."""
+    _, head, _ = trained
+    cfg = GenerationConfig(max_new_tokens=48, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    used = [0, 0]
+    for prompt in [prompts()[1][:12] * 2, prompts()[2][:6]]:
+        plain = generate(target, prompt, None, cfg).token_ids
+        drafter = FirstOf(ShapeDrafter(head, TreeShape.widths((2, 1)), "iid", min_confidence=0.9),
+                          NgramDrafter(NgramConfig(depth=6, branches=1)))
+        assert generate(target, prompt, drafter, cfg).token_ids == plain
+        used = [u + c for u, c in zip(used, drafter.counts)]
+    assert used[1] > 0, used  # lookup drafted where the head had nothing confident
 
 
 def test_confidence_pruning_keeps_only_confident_children(target, trained):
@@ -170,7 +187,7 @@ def test_confidence_pruning_keeps_only_confident_children(target, trained):
     prompt = prompts()[0][:10]
     hidden = target.model(torch.tensor([prompt[:-1]]), output_hidden_states=True).last_hidden_state[0].detach()
     for threshold in (0.0, 0.3, 0.9):
-        drafter = HeadDrafter(head, StaticTreeShape((4, 2)), min_confidence=threshold)
+        drafter = ShapeDrafter(head, TreeShape.widths((4, 2)), "iid", min_confidence=threshold)
         drafter.begin(prompt)
         draft = drafter.propose(DraftState(prompt, 8, hidden), SamplingConfig(0.0), None)
         assert draft.tree.law == "deterministic"
@@ -194,7 +211,7 @@ def test_confidence_pruning_keeps_only_confident_children(target, trained):
             return out
         assert token_paths(draft.tree) <= token_paths(full)
     with pytest.raises(ValueError, match="min_confidence"):
-        HeadDrafter(head, StaticTreeShape((1,)), min_confidence=1.0)
+        ShapeDrafter(head, TreeShape.widths((1,)), "iid", min_confidence=1.0)
 
 
 def _small_head(tmp_path):
@@ -208,7 +225,7 @@ def _small_head(tmp_path):
     return small, head
 
 
-class _WrongLawLookup(LookupHeadDrafter):
+class _WrongLawLookup(FirstOf):
     """Deliberately broken: n-gram trees passed off as i.i.d. draws from a uniform q (they are not)."""
 
     def propose(self, state, sampling, generator):
@@ -216,13 +233,14 @@ class _WrongLawLookup(LookupHeadDrafter):
         from treespec.tree import TokenTree
 
         draft = super().propose(state, sampling, generator)
-        if self.last != "ngram":
+        if self.last != 0:
             return draft
         tree = draft.tree
         q = torch.full((tree.num_nodes, 6), 1 / 6)
         return Draft(TokenTree(tree.parents, tree.tokens, "iid"), q)
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("broken", [False, True])
 def test_lookup_then_head_law_at_t1(tmp_path, broken):
     """Mixed drafting at T=1 (n-gram trees verified as deterministic candidates, head trees drawn
@@ -234,16 +252,16 @@ def test_lookup_then_head_law_at_t1(tmp_path, broken):
 
     small, head = _small_head(tmp_path)
     prompt = [1, 2, 3, 1, 2]
-    cls = _WrongLawLookup if broken else LookupHeadDrafter
-    n, counts, used = 600, {}, {"ngram": 0, "head": 0}
+    cls = _WrongLawLookup if broken else FirstOf
+    n, counts, used = 600, {}, [0, 0]
     for seed in range(n):
-        drafter = cls(NgramDrafter(NgramConfig(depth=3, branches=2)), HeadDrafter(head, StaticTreeShape((2, 2), "iid")))
+        drafter = cls(NgramDrafter(NgramConfig(depth=3, branches=2)),
+                      ShapeDrafter(head, TreeShape.widths((2, 2)), "iid"))
         out = generate(small, prompt, drafter,
                        GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed, stop_on_eos=False))
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-        for k in used:
-            used[k] += drafter.counts[k]
-    assert used["ngram"] > 0 and used["head"] > 0, used
+        used = [u + c for u, c in zip(used, drafter.counts)]
+    assert min(used) > 0, used
     p_value = g_test(counts, exact_law(small, SamplingConfig(1.0), prompt), n)
     if broken:
         assert p_value < 1e-3, f"the broken twin passed (G-test p = {p_value:.2e})"
@@ -251,6 +269,7 @@ def test_lookup_then_head_law_at_t1(tmp_path, broken):
         assert p_value > 1e-3, f"output law differs from the target's (G-test p = {p_value:.2e})"
 
 
+@pytest.mark.stats
 def test_output_law_at_t1_is_the_targets(tmp_path):
     """A head distilled end to end on the vocabulary-6 llama of test_end_to_end_stats, with a
     vocabulary subset of 4 of the 6 tokens: the law of the first three generated tokens at T=1
@@ -262,7 +281,7 @@ def test_output_law_at_t1_is_the_targets(tmp_path):
     assert head.vocab_ids.numel() == 4
     n, counts = 600, {}
     for seed in range(n):
-        out = generate(small, PROMPT, HeadDrafter(head, StaticTreeShape((3, 2), "iid")),
+        out = generate(small, PROMPT, ShapeDrafter(head, TreeShape.widths((3, 2)), "iid"),
                        GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed, stop_on_eos=False))
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
     p_value = g_test(counts, exact_law(small, SamplingConfig(1.0)), n)

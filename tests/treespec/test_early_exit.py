@@ -5,12 +5,13 @@ generated tokens follow the exact target law for an early-exit tree drawn i.i.d.
 tree with confidence-based early stopping (only children the draft gives >= 0.3 get children);
 seeds 0..N-1, N = 400, G test with cells of expected count < 5 pooled, alpha = 1e-3. The twin
 (draft probabilities replaced by a uniform q the children were not drawn from) must fail.
+Power (stats_helpers): at N = 400, alpha = 1e-3, power 0.9 and df 10 it detects KL >= 0.044 nats,
+i.e. any total-variation shift >= 0.15.
 """
 
 import pytest
 import torch
 
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.generate import GenerationConfig, generate
 from treespec.models.early_exit import early_exit_model
 from treespec.models.tiny import tiny_model
@@ -37,7 +38,7 @@ def test_early_exit_logits_are_the_truncated_target(arch):
 
 def test_early_exit_draft_is_lossless_at_temperature_zero():
     target = tiny_model("gemma3", 64, seed=0, num_layers=4, logit_scale=8)
-    drafter = ModelDrafter(early_exit_model(target, 3), StaticTreeShape((2, 2, 1)))
+    drafter = ShapeDrafter(early_exit_model(target, 3), TreeShape.widths((2, 2, 1)), "iid")
     cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
     assert generate(target, [5, 6, 7], drafter, cfg).token_ids == generate(target, [5, 6, 7], None, cfg).token_ids
 
@@ -94,6 +95,7 @@ LAW_CASES = {
 }
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("case,broken", [(c, False) for c in sorted(LAW_CASES)] + [("iid", True)])
 def test_early_exit_output_law_at_t1(case, broken):
     target = tiny_model("llama", 6, seed=0, num_layers=4, logit_scale=12.0)

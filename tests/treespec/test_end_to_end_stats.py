@@ -13,19 +13,20 @@ import itertools
 import math
 
 import pytest
-
-pytestmark = pytest.mark.stats
 import torch
 from stats_helpers import g_test_law
 
 from treespec import verify as verify_mod
 from treespec.drafting.base import Draft
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig, logits_to_probs
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 from treespec.verify.core import verify_tree
+
+pytestmark = pytest.mark.stats
 
 V = 6
 PROMPT = [1, 2, 3]
@@ -36,15 +37,15 @@ N = 1500
 ALPHA = 1e-3
 T1 = SamplingConfig(1.0)
 
-CASES = {
-    "single": (StaticTreeShape((1, 1), "iid"), T1),
-    "rrs": (StaticTreeShape((3, 2), "iid"), T1),
-    "rrs_topk_topp": (StaticTreeShape((3, 2), "iid"), SamplingConfig(0.8, top_k=4, top_p=0.9)),
-    "kseq": (StaticTreeShape((3, 2), "iid"), T1),
-    "rrs_without_replacement": (StaticTreeShape((3, 2), "without_replacement"), T1),
-    "deterministic": (StaticTreeShape((3, 2), "deterministic"), T1),
-    "greedy_draft": (StaticTreeShape((3, 2), "greedy_draft"), T1),
-    "spechub": (StaticTreeShape((2, 2), "spechub"), T1),
+CASES = {  # case: ((per-depth widths, draft law), sampling)
+    "single": (((1, 1), "iid"), T1),
+    "rrs": (((3, 2), "iid"), T1),
+    "rrs_topk_topp": (((3, 2), "iid"), SamplingConfig(0.8, top_k=4, top_p=0.9)),
+    "kseq": (((3, 2), "iid"), T1),
+    "rrs_without_replacement": (((3, 2), "without_replacement"), T1),
+    "deterministic": (((3, 2), "deterministic"), T1),
+    "greedy_draft": (((3, 2), "greedy_draft"), T1),
+    "spechub": (((2, 2), "spechub"), T1),
 }
 
 
@@ -84,9 +85,9 @@ def sample_counts(target, make_drafter, verifier: str, sampling: SamplingConfig,
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_first_three_tokens_follow_target_law(models, case):
     target, draft = models
-    shape, sampling = CASES[case]
+    (widths, law), sampling = CASES[case]
     verifier = "rrs" if case == "rrs_topk_topp" else case
-    counts = sample_counts(target, lambda: ModelDrafter(draft, shape), verifier, sampling)
+    counts = sample_counts(target, lambda: ShapeDrafter(draft, TreeShape.widths(widths), law), verifier, sampling)
     p_value = g_test(counts, exact_law(target, sampling), N)
     assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
 
@@ -140,7 +141,7 @@ def test_broken_verifier_fails_the_same_test(models, monkeypatch):
     target, draft = models
     monkeypatch.setitem(verify_mod.VERIFIERS, "rrs",
                         lambda tree, tp, dp, g=None: verify_tree(tree, tp, dp, g, _broken_rrs_rule))
-    shape, sampling = CASES["rrs"]
-    counts = sample_counts(target, lambda: ModelDrafter(draft, shape), "rrs", sampling)
+    (widths, law), sampling = CASES["rrs"]
+    counts = sample_counts(target, lambda: ShapeDrafter(draft, TreeShape.widths(widths), law), "rrs", sampling)
     p_value = g_test(counts, exact_law(target, sampling), N)
     assert p_value < ALPHA, f"the broken verifier was not detected (p = {p_value:.3f})"

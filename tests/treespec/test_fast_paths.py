@@ -3,7 +3,7 @@
 import torch
 
 from treespec.tree import TokenTree
-from treespec.verify import rules, verify_greedy
+from treespec.verify import VERIFIERS, rules
 from treespec.verify.core import verify_tree
 
 
@@ -19,7 +19,7 @@ def test_greedy_fast_path_equals_rule_based_verification():
         tree = random_tree(int(torch.randint(1, 12, (1,), generator=gen)), vocab, gen)
         # integer-valued logits make ties common: both paths must break them the same way
         logits = torch.randint(0, 3, (tree.num_nodes, vocab), generator=gen).float()
-        fast = verify_greedy(tree, logits)
+        fast = VERIFIERS["greedy"](tree, logits)
         onehot = torch.zeros_like(logits).scatter_(1, logits.argmax(1, keepdim=True), 1.0)
         slow = verify_tree(tree, onehot, None, torch.Generator().manual_seed(trial), rules.greedy_rule)
         assert fast == slow

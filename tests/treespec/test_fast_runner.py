@@ -13,7 +13,6 @@ import functools
 import pytest
 import torch
 
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.fast import FastGemmaRunner, fast_supported, make_runner
@@ -21,6 +20,8 @@ from treespec.models.runner import ModelRunner
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 from treespec.tree import TokenTree
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 
 ATOL = 1e-5
 V = 64
@@ -151,8 +152,8 @@ def test_commits_then_cache_equals_fresh_prefill(capacity):
 
 
 DRAFTS = {
-    "tree221": lambda: ModelDrafter(gemma(seed=1, logit_scale=8), StaticTreeShape((2, 2, 1))),
-    "self_tree_fast": lambda: ModelDrafter(FastGemmaRunner(gemma(seed=0, logit_scale=8)), StaticTreeShape((3, 2, 1))),
+    "tree221": lambda: ShapeDrafter(gemma(seed=1, logit_scale=8), TreeShape.widths((2, 2, 1)), "iid"),
+    "self_tree_fast": lambda: ShapeDrafter(FastGemmaRunner(gemma(seed=0, logit_scale=8)), TreeShape.widths((3, 2, 1)), "iid"),
     "ngram": lambda: NgramDrafter(NgramConfig(depth=5, branches=3)),
 }
 
@@ -172,7 +173,7 @@ def test_early_exit_draft_shares_the_fast_cache():
     model = gemma(seed=0, logit_scale=8)
     prompt = [3, 4, 5, 6, 7, 3, 4, 5]
     plain = generate(model, prompt, None, GREEDY).token_ids
-    drafter = ModelDrafter(early_exit_model(model, 2), StaticTreeShape((2, 1)))
+    drafter = ShapeDrafter(early_exit_model(model, 2), TreeShape.widths((2, 1)), "iid")
     assert generate(FastGemmaRunner(model), prompt, drafter, GREEDY).token_ids == plain
 
 

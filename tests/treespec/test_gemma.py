@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from treespec.cli import main as cli_main
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.drafting.shipped import load_default_medusa
 from treespec.generate import GenerationConfig, generate
@@ -62,8 +61,8 @@ def test_greedy_speculation_is_token_identical(gemma, plain_outputs, drafter):
             "ngram_chain": lambda: NgramDrafter(NgramConfig(depth=6, branches=1)),
             "ngram_tree": lambda: NgramDrafter(NgramConfig(depth=6, branches=4)),
             # the target as its own draft: every level accepted, deep commits of model-drafted nodes
-            "self_chain": lambda: ModelDrafter(model, StaticTreeShape.chain(3)),
-            "self_tree": lambda: ModelDrafter(model, StaticTreeShape((2, 2))),
+            "self_chain": lambda: ShapeDrafter(model, TreeShape.chain(3), "iid"),
+            "self_tree": lambda: ShapeDrafter(model, TreeShape.widths((2, 2)), "iid"),
             # the shipped Medusa heads: top-k candidates of each head along index paths
             "shipped_medusa": lambda: ShapeDrafter(medusa, TreeShape.from_paths([[0], [1], [0, 0], [0, 0, 0]]),
                                                    "deterministic"),
@@ -110,6 +109,6 @@ def test_cli_json_speculative_equals_plain(capsys, gemma):
     assert cli_main(args + ["--plain"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
-    assert spec["statistics"]["method"] == "LookupHeadDrafter" and plain["statistics"]["method"] == "plain"
+    assert spec["statistics"]["method"] == "FirstOf(NgramDrafter, ShapeDrafter)" and plain["statistics"]["method"] == "plain"
     assert plain["statistics"]["tau"] == 1.0
     assert isinstance(spec["text"], str) and spec["text"]

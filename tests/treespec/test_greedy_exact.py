@@ -5,20 +5,21 @@ Llama, GPT-2 and Gemma-3 models (fp32; the Gemma-3 generation crosses its slidin
 import pytest
 import torch
 
-from treespec.trees.static import ModelDrafter, StaticTreeShape
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.tiny import ARCHITECTURES, tiny_model
 from treespec.sampling import SamplingConfig
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 
 GREEDY = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
 PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], [9], [10, 11, 12, 10, 11]]
 
 DRAFTS = {
-    "chain4": lambda arch: ModelDrafter(tiny_model(arch, 64, seed=1, logit_scale=8), StaticTreeShape.chain(4)),
-    "tree221": lambda arch: ModelDrafter(tiny_model(arch, 64, seed=1, logit_scale=8), StaticTreeShape((2, 2, 1))),
+    "chain4": lambda arch: ShapeDrafter(tiny_model(arch, 64, seed=1, logit_scale=8), TreeShape.chain(4), "iid"),
+    "tree221": lambda arch: ShapeDrafter(tiny_model(arch, 64, seed=1, logit_scale=8), TreeShape.widths((2, 2, 1)), "iid"),
     # the target drafting for itself: every draft is accepted, so long paths and leaf commits are exercised
-    "self_tree": lambda arch: ModelDrafter(tiny_model(arch, 64, seed=0, logit_scale=8), StaticTreeShape((3, 2, 1))),
+    "self_tree": lambda arch: ShapeDrafter(tiny_model(arch, 64, seed=0, logit_scale=8), TreeShape.widths((3, 2, 1)), "iid"),
     "ngram": lambda arch: NgramDrafter(NgramConfig(depth=5, branches=3)),
     "ngram_adaptive": lambda arch: NgramDrafter(NgramConfig(depth=8, branches=1, adaptive=True, start_depth=2)),
 }
@@ -50,7 +51,7 @@ def test_eos_inside_accepted_path_ends_generation_there():
     plain = generate(model, prompt, None, GREEDY).token_ids
     eos = plain[12]  # a token the greedy continuation emits mid-way
     first = plain.index(eos)
-    drafter = ModelDrafter(tiny_model("llama", 64, seed=0, logit_scale=8), StaticTreeShape((2, 2, 2, 2)))
+    drafter = ShapeDrafter(tiny_model("llama", 64, seed=0, logit_scale=8), TreeShape.widths((2, 2, 2, 2)), "iid")
     out = generate(model, prompt, drafter, GREEDY.__class__(max_new_tokens=40, sampling=SamplingConfig(0.0)),
                    eos_ids={eos})
     assert out.token_ids == plain[: first + 1]
@@ -60,7 +61,7 @@ def test_eos_inside_accepted_path_ends_generation_there():
 @pytest.mark.parametrize("max_new", [1, 2, 7, 13])
 def test_max_new_tokens_is_exact(max_new):
     model = tiny_model("gpt2", 64, seed=0, logit_scale=8)
-    drafter = ModelDrafter(tiny_model("gpt2", 64, seed=0, logit_scale=8), StaticTreeShape((2, 2, 2, 2)))
+    drafter = ShapeDrafter(tiny_model("gpt2", 64, seed=0, logit_scale=8), TreeShape.widths((2, 2, 2, 2)), "iid")
     cfg = GenerationConfig(max_new_tokens=max_new, sampling=SamplingConfig(0.0), stop_on_eos=False)
     out = generate(model, PROMPTS[0], drafter, cfg)
     assert len(out.token_ids) == max_new
@@ -74,7 +75,7 @@ def test_caches_after_generation_equal_fresh_prefill(temperature):
     from treespec.models.runner import ModelRunner
 
     target = ModelRunner(tiny_model("gemma3", 64, seed=0, logit_scale=8))
-    drafter = ModelDrafter(tiny_model("gemma3", 64, seed=1, logit_scale=8), StaticTreeShape((2, 2, 1)))
+    drafter = ShapeDrafter(tiny_model("gemma3", 64, seed=1, logit_scale=8), TreeShape.widths((2, 2, 1)), "iid")
     cfg = GenerationConfig(max_new_tokens=150, sampling=SamplingConfig(temperature), stop_on_eos=False)
     out = generate(target, PROMPTS[0], drafter, cfg)
     assert out.target_calls >= 50

@@ -9,6 +9,8 @@
    tree of deterministic top-k candidates and for a path-list tree drawn i.i.d. from the heads;
    seeds 0..N-1, N = 400, G test with cells of expected count < 5 pooled, alpha = 1e-3. The twin
    (draft probabilities replaced by a uniform q the children were not drawn from) must fail.
+   Power (stats_helpers): at N = 400, alpha = 1e-3, power 0.9 and df 10 it detects KL >= 0.044 nats,
+   i.e. any total-variation shift >= 0.15.
 4. Training on a distillation corpus lowers the loss and raises per-head agreement over the
    untrained heads; a run resumes; a run directory of another configuration is refused.
 """
@@ -16,6 +18,7 @@
 import pytest
 import torch
 
+from treespec.calibration import measure_acceptance_vector
 from treespec.distill.medusa import MedusaTrainConfig, PositionPool, evaluate_medusa, train_medusa
 from treespec.drafting.base import DraftState
 from treespec.drafting.medusa import MedusaConfig, MedusaHeads, MedusaRunner, medusa_depth_logits, new_medusa_heads
@@ -26,7 +29,7 @@ from treespec.tree import TokenTree
 from treespec.trees.dyspec import DySpecDrafter
 from treespec.trees.eagle2 import Eagle2Drafter
 from treespec.trees.grow import ShapeDrafter
-from treespec.trees.sequoia import SequoiaDP, measure_acceptance_vector
+from treespec.trees.sequoia import SequoiaDP
 from treespec.trees.shape import TreeShape
 
 from .test_distill import corpus, prompts, target  # noqa: F401
@@ -175,6 +178,7 @@ LAW_CASES = {
 }
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("case,broken", [(c, False) for c in sorted(LAW_CASES)] + [("paths_iid", True)])
 def test_output_law_at_t1_with_medusa_trees(case, broken):
     small = tiny_model("llama", 6, seed=0, logit_scale=6.0)
@@ -211,7 +215,7 @@ def test_training_improves_agreement_and_resumes(target, corpus, tmp_path):  # n
     def kl(heads):
         with torch.no_grad():
             logq = torch.log_softmax(heads(batch["h"]), dim=-1)
-            p = torch.softmax(heads.subset_logits(batch["h_label"]), dim=-1)
+            p = torch.softmax(heads.logits(batch["h_label"]), dim=-1)
             per = (p * (torch.log(p.clamp(min=1e-30)) - logq)).sum(-1) * batch["ok_soft"]
             return per.sum(0) / batch["ok_soft"].sum(0)
 

@@ -6,7 +6,8 @@
 2. Output law at T = 1: ONE online drafter serves all N = 400 requests (seeds 0..399), learning all
    along; the first three generated tokens follow the exact target law (G test, cells of expected
    count < 5 pooled, alpha = 1e-3). Twin: the same drafter with its draft probabilities replaced by
-   a uniform q the children were not drawn from must fail the test.
+   a uniform q the children were not drawn from must fail the test. Power (stats_helpers): at N = 400, alpha = 1e-3, power 0.9 and df 10 it detects KL >= 0.044 nats,
+   i.e. any total-variation shift >= 0.15.
 """
 
 import copy
@@ -14,11 +15,11 @@ import copy
 import pytest
 import torch
 
-from treespec.drafting.head import HeadDrafter
-from treespec.trees.static import StaticTreeShape
 from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.sampling import SamplingConfig
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
 
 from .test_distill import _small_head, corpus, prompts, target, trained  # noqa: F401
 from .test_end_to_end_stats import ALPHA, PROMPT, UniformQ, exact_law, g_test
@@ -30,7 +31,7 @@ def test_greedy_identity_while_learning(target, trained):  # noqa: F811
     _, head, _ = trained
     head = copy.deepcopy(head)
     before = [p.detach().clone() for p in head.parameters() if p.requires_grad]
-    online = OnlineHeadDrafter(HeadDrafter(head, StaticTreeShape((2, 1, 1))),
+    online = OnlineHeadDrafter(ShapeDrafter(head, TreeShape.widths((2, 1, 1)), "iid"),
                                OnlineHeadConfig(lr=1e-2, update_every=4, window=64))
     cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
     for prompt in [prompts()[1][:12], prompts()[2][:6] * 2, prompts()[3][:9]]:
@@ -40,8 +41,8 @@ def test_greedy_identity_while_learning(target, trained):  # noqa: F811
     after = [p.detach() for p in head.parameters() if p.requires_grad]
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
     # the rebuilt cache is what a fresh pass of the updated head gives over the committed entries
-    d = online.drafter
-    n = d.length
+    d = online.runner
+    n = d.entries
     pos = torch.arange(1, n + 1)[None]
     with torch.no_grad():
         x = head.inputs(online.hidden[:n], torch.tensor(online.tokens[1:n + 1]))[None]
@@ -57,11 +58,12 @@ def test_config_is_validated():
         OnlineHeadConfig(update_every=0)
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("broken", [False, True])
 def test_output_law_at_t1_while_learning(tmp_path, broken):
     small, head = _small_head(tmp_path)
     sampling = SamplingConfig(1.0)
-    online = OnlineHeadDrafter(HeadDrafter(head, StaticTreeShape((2, 2), "iid")),
+    online = OnlineHeadDrafter(ShapeDrafter(head, TreeShape.widths((2, 2)), "iid"),
                                OnlineHeadConfig(lr=1e-2, update_every=2, window=16))
     drafter = UniformQ(online) if broken else online
     counts: dict[tuple[int, ...], int] = {}

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from treespec.calibration import measure_acceptance_vector, measure_profile
+from treespec.distill.inputs import read_prompt_texts
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 from treespec.trees.sequoia import (
@@ -20,10 +22,7 @@ from treespec.trees.sequoia import (
     brute_force_best,
     choose_tree,
     enumerate_shapes,
-    measure_acceptance_vector,
-    measure_profile,
     predicted_tau,
-    read_prompts,
 )
 from treespec.trees.shape import TreeShape
 
@@ -122,7 +121,7 @@ def _prompt_texts(path):
 @pytest.mark.skipif(not TRAIN_PROMPTS.exists() or not EVAL_PROMPTS.exists(), reason="shared data not present")
 def test_calibration_prompts_are_train_prompts():
     """Calibration reads the train split, row for row, and none of it is an evaluation prompt."""
-    prompts = read_prompts(TRAIN_PROMPTS, limit=50)
+    prompts = read_prompt_texts(TRAIN_PROMPTS, limit=50)
     assert prompts == _prompt_texts(TRAIN_PROMPTS)[:50]
     assert not set(prompts) & set(_prompt_texts(EVAL_PROMPTS))
 

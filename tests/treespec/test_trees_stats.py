@@ -7,16 +7,13 @@ for the full-power run; all cases passed at 1500 when written).
 Cases: a Medusa-style shape whose draws without replacement are truncated by top-k sampling (so
 children and their subtrees go missing), DySpec heap trees (children drawn at different times,
 shape driven by revealed draft masses), EAGLE-2 reranked candidates merged with an n-gram trie
-(deterministic candidates), and (only with the full N) SpecTr-style independent chains verified by
-K-SEQ. Then the matrix: every tree builder (static shapes, a Sequoia shape, DySpec heap and
+(deterministic candidates), and SpecTr-style independent chains verified by K-SEQ (in the default
+run). Then the matrix: every tree builder (static shapes, a Sequoia shape, DySpec heap and
 threshold, EAGLE-2) with every draft law it accepts, each verified by the verifier of that law."""
 
 import os
 
 import pytest
-
-pytestmark = pytest.mark.stats
-
 import test_end_to_end_stats as base
 
 from treespec.drafting.ngram import NgramConfig
@@ -28,6 +25,8 @@ from treespec.trees.merged import MergedDrafter
 from treespec.trees.shape import TreeShape
 
 from test_end_to_end_stats import ALPHA, T1, exact_law, g_test, models  # noqa: F401
+
+pytestmark = pytest.mark.stats
 
 N = int(os.environ.get("TREESPEC_TREES_STATS_N", "400"))
 #: Power (noncentral chi^2 approximation): at N = 400, alpha = 1e-3, power 0.9 the G test detects

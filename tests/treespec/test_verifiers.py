@@ -707,3 +707,15 @@ def test_kseq_acceptance_is_one_minus_beta_to_the_n():
         beta = np.minimum(q, p / r).sum()
         assert acc == pytest.approx(1 - (1 - beta) ** n, abs=1e-12)
         assert acc >= np.minimum(p, q).sum() - 1e-12
+
+
+def test_ot_bounds_verifier_table_agrees_with_the_engine():
+    """ot_bounds keeps its own verifier -> draft law table (it imports no treespec module): the
+    verifiers it scores are the engine's, each under the engine's draft law."""
+    from ot_bounds.verifiers import VERIFIER_LAW, VERIFIERS as OT_VERIFIERS
+
+    engine_law = {"greedy": "greedy_draft"}  # ot_bounds' name of the greedy-drafting law
+    assert set(OT_VERIFIERS) == set(VERIFIERS) - {"greedy"}  # greedy (temperature 0) has no coupling to score
+    for name in OT_VERIFIERS:
+        assert engine_law.get(VERIFIER_LAW[name], VERIFIER_LAW[name]) == LAW_OF_VERIFIER[name], name
+    assert set(engine_law.values()) <= set(DRAFT_LAWS)

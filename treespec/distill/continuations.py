@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokenizer = load_tokenizer("embedded")
     model = load_model("embedded", dtype=args.dtype)
-    from ..generate import eos_token_ids
+    from ..models.loading import eos_token_ids
 
     prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     out = (Path(args.out) if args.out else cache_root() / "distill" / "continuations") / args.name

@@ -171,7 +171,7 @@ def load_manifest(out_dir: str | Path) -> dict:
 def _continue(model, batch: list[list[int]], opts: CorpusOptions, index: int) -> list[list[int]]:
     """The target's own continuations of a batch of sequences (one batched ``generate``, left padding),
     each cut after its first EOS. Greedy, or sampled at temperature 1 with a seed fixed by ``index``."""
-    from ..generate import eos_token_ids
+    from ..models.loading import eos_token_ids
 
     device = next(model.parameters()).device
     width = max(len(s) for s in batch)

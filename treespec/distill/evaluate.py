@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafting.head import EagleHead, HeadDrafter
+from ..drafting.head import EagleHead
 from ..files import atomic_write_text
 from .corpus import lm_logits
 
@@ -71,28 +71,39 @@ def one_step_metrics(model, head: EagleHead, prompts: list[list[int]], gens: lis
 
 @torch.no_grad()
 def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dict:
-    """Median seconds of one target step and one head step (one token each, with cache)."""
-    from ..trees.static import StaticTreeShape
+    """Median seconds of one target step and one head step (one token each, with cache).
+
+    The head step is what :class:`~treespec.drafting.head_runner.HeadRunner` does for a new root:
+    take the target's last hidden state, one entry through the head, the root's logits, keep it.
+    """
+    from ..drafting.base import DraftState
+    from ..drafting.head_runner import HeadRunner
     from ..models.runner import ModelRunner
+    from ..tree import TokenTree
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, head.cfg.target_vocab_size, (context + reps + 1,), generator=g)
     runner = ModelRunner(model)
-    h = runner.forward(None, None, ids[:context], need_hidden=True)["hidden"]
-    drafter = HeadDrafter(head, StaticTreeShape((1,)))
-    drafter._step(h[:-1], ids[1:context], torch.arange(1, context), torch.ones(context - 1, context - 1,
-                                                                                 dtype=torch.bool).tril())
-    drafter.length = context - 1
+    hidden = runner.forward(None, None, ids[:context], need_hidden=True)["hidden"]  # [context, H]
+    drafter = HeadRunner(head)
+
+    def head_step(root: int, new_hidden: torch.Tensor, chain: torch.Tensor | None) -> None:
+        """Root at position ``root``; ``new_hidden`` ends with the target's state at ``root - 1``."""
+        drafter.observe(DraftState(ids[: root + 1].tolist(), 1, new_hidden))
+        tree = TokenTree.from_lists([-1], [int(ids[root])], "deterministic")
+        drafter.forward(tree, torch.zeros(1, dtype=torch.long), chain)
+        drafter.commit([0])
+
+    head_step(context - 1, hidden[:-1], ids[: context - 1])
+    last = hidden[-1:]  # [1, H] the target's state at the position before the next root
     t_target, t_head = [], []
     for i in range(reps):
         t0 = time.perf_counter()
         out = runner.forward(None, None, ids[context + i:context + i + 1], need_hidden=True)
         t1 = time.perf_counter()
-        f = drafter._step(out["hidden"], ids[context + i:context + i + 1],
-                          torch.tensor([context + i]), torch.ones(1, 1, dtype=torch.bool))
-        head.logits(f)
-        drafter.length += 1
+        head_step(context + i, last, None)
         t2 = time.perf_counter()
+        last = out["hidden"]
         t_target.append(t1 - t0)
         t_head.append(t2 - t1)
     tt, th = statistics.median(t_target), statistics.median(t_head)
@@ -102,14 +113,15 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
 @torch.no_grad()
 def chain_tau(model, head: EagleHead, prompts: list[list[int]], depth: int = 4, temperature: float = 0.0,
               new_tokens: int = 64, seed: int = 0) -> float:
-    from ..trees.static import StaticTreeShape
     from ..generate import GenerationConfig, generate
     from ..sampling import SamplingConfig
+    from ..trees.grow import ShapeDrafter
+    from ..trees.shape import TreeShape
 
     emitted, calls = 0, 0
     for i, p in enumerate(prompts):
         cfg = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingConfig(temperature), seed=seed + i)
-        out = generate(model, p, HeadDrafter(head, StaticTreeShape.chain(depth)), cfg)
+        out = generate(model, p, ShapeDrafter(head, TreeShape.chain(depth), "iid"), cfg)
         emitted += len(out.token_ids)
         calls += out.target_calls
     return emitted / max(calls, 1)

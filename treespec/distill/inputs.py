@@ -75,3 +75,15 @@ def read_head_file(path: str | Path, loader, *args, **kwargs):
         raise DistillInputError(f"head file {path}: damaged metadata ({type(err).__name__}: {err})") from None
     except ValueError as err:  # read_weights: "is not a treespec ..."; shape mismatches with the target
         raise DistillInputError(f"head file {path}: {err}") from None
+
+
+def read_prompt_texts(path: str | Path, limit: int | None = None) -> list[str]:
+    """Prompt texts of a JSONL file of ``{"prompt": ...}`` rows, in file order (the first ``limit``)."""
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            if line.strip():
+                out.append(json.loads(line)["prompt"])
+                if limit is not None and len(out) >= limit:
+                    break
+    return out

@@ -103,7 +103,7 @@ def medusa_losses(heads: MedusaHeads, batch: dict, cfg: MedusaTrainConfig, sub_i
     """Soft (target softmax on the subset) + hard (text token) cross-entropies, per-head decayed."""
     logq = torch.log_softmax(heads(batch["h"]), dim=-1)  # [B, K, |S|]
     with torch.no_grad():
-        p = torch.softmax(heads.subset_logits(batch["h_label"]), dim=-1)  # [B, K, |S|]
+        p = torch.softmax(heads.logits(batch["h_label"]), dim=-1)  # [B, K, |S|]
     ok = batch["ok_soft"].float()  # [B, K]
     soft = -(p * logq).sum(-1)  # [B, K]
     nxt = batch["next"]
@@ -214,7 +214,7 @@ def evaluate_medusa(heads: MedusaHeads, corpus: str | Path, *, max_positions: in
         ok = lab + 1 < pool.ends[i][:, None]
         last = pool.hidden.shape[0] - 1
         guess = heads.vocab_ids[heads(pool.hidden[i].float()).argmax(-1)]  # [b, K]
-        t_arg = heads.vocab_ids[heads.subset_logits(pool.hidden[lab.clamp(max=last)].float()).argmax(-1)]
+        t_arg = heads.vocab_ids[heads.logits(pool.hidden[lab.clamp(max=last)].float()).argmax(-1)]
         agree += ((guess == t_arg) & ok).sum(0)
         text += ((guess == pool.tokens[(lab + 1).clamp(max=last)]) & ok).sum(0)
         count += ok.sum(0)

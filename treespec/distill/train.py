@@ -277,7 +277,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     elif init_head is not None:
         head = read_head_file(init_head, EagleHead.load, target)
     else:
-        from ..generate import eos_token_ids
+        from ..models.loading import eos_token_ids
 
         ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts)
         head = new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,

@@ -3,8 +3,8 @@
 Every tree builder of :mod:`treespec.trees` (static shapes, Sequoia, DySpec, EAGLE-2, merged)
 drafts through a runner: ``forward(tree, nodes, chain)`` appends committed tokens and tree nodes to
 a KV cache and returns their draft logits, ``commit(path)`` keeps the accepted root path.
-:class:`HeadRunner` offers the same interface for the trained head, so the head can grow any tree
-shape, not only the per-depth widths of :class:`~treespec.drafting.head.HeadDrafter`.
+:class:`HeadRunner` offers the same interface for the trained head, so the head grows any tree
+shape.
 
 How the head's inputs are formed (EAGLE, arXiv 2401.15077): the cache entry of the token at
 position ``j`` is built from ``(h_{j-1}, x_j)``, where ``h`` is the target's last hidden state.
@@ -45,13 +45,16 @@ class HeadRunner:
     """
 
     def __init__(self, head: EagleHead) -> None:
-        if head._embed is None:
+        if not head.attached:
             raise ValueError("attach the head to the target before drafting")
         self.head = head.eval()
         self.model = None  # no causal LM behind this runner
         self.device = head.fc.weight.device
         self.vocab_size = head.cfg.target_vocab_size
         self.reset()
+
+    def as_runner(self) -> "HeadRunner":
+        return self
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -176,6 +179,24 @@ class HeadRunner:
             if need_hidden:
                 result["hidden"] = node_out
         return result
+
+    @torch.no_grad()
+    def rebuild(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Recompute the committed entries with the head's current weights (after it was trained).
+
+        Parameters
+        ----------
+        hidden : torch.Tensor
+            ``[>= entries, H]`` the target's hidden states at positions ``0, 1, ...``.
+        tokens : torch.Tensor
+            ``[>= entries + 1]`` the committed tokens at positions ``0, 1, ...``.
+        """
+        n = self.entries  # committed entries are those of positions 1..n, in order
+        if n == 0:
+            return
+        positions = torch.arange(1, n + 1, device=self.device)
+        x = self.head.inputs(hidden[:n].to(self.device), tokens[1:n + 1].to(self.device))[None]  # [1, n, H]
+        _, self.keys, self.values = self.head.layer.qkv_heads(x, positions[None])  # [1, nh, n, hd] each
 
     # ------------------------------------------------------------------ cache commit
     def commit(self, nodes: list[int]) -> None:

@@ -26,18 +26,14 @@ rows come from the target at :meth:`MedusaHeads.attach`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..tree import TokenTree
 from .base import DraftState
-from .weights_file import build_checked, read_weights, write_weights
-
-FORMAT = "treespec-medusa-heads"
-FORMAT_VERSION = 1
+from .subset_head import SubsetHead
 
 
 @dataclass(frozen=True)
@@ -71,53 +67,26 @@ class ResBlock(nn.Module):
         return z + nn.functional.silu(self.linear(z))
 
 
-class MedusaHeads(nn.Module):
-    """``K`` decoding heads; after :meth:`attach`, ``logits(h)`` scores every head on the subset."""
+class MedusaHeads(SubsetHead):
+    """``K`` decoding heads; after :meth:`attach`, ``forward(h)`` scores every head on the subset."""
+
+    FORMAT = "treespec-medusa-heads"
+    FILE_WHAT = "Medusa heads file"
+    CONFIG = MedusaConfig
 
     def __init__(self, cfg: MedusaConfig, vocab_ids: torch.Tensor) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg, vocab_ids)
         self.heads = nn.ModuleList(nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)])
                                    for _ in range(cfg.num_heads))
-        ids = torch.as_tensor(vocab_ids, dtype=torch.long).flatten()
-        if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 \
-                or int(ids[-1]) >= cfg.target_vocab_size:
-            raise ValueError("vocab_ids must be strictly increasing ids inside the target vocabulary")
-        self.register_buffer("vocab_ids", ids, persistent=False)
-        self.register_buffer("lm_rows", torch.empty(0), persistent=False)  # W_lm[S] [|S|, H], frozen copy
-
-    @property
-    def attached(self) -> bool:
-        return self.lm_rows.numel() > 0
-
-    def attach(self, target) -> "MedusaHeads":
-        """Take the target's LM-head rows of the subset (a frozen copy)."""
-        from ..models.runner import ModelRunner
-
-        model = target.model if isinstance(target, ModelRunner) else target
-        out = model.get_output_embeddings()
-        if out.weight.shape[1] != self.cfg.hidden_size or out.weight.shape[0] != self.cfg.target_vocab_size:
-            raise ValueError("these Medusa heads were built for another target (hidden size or vocabulary differ)")
-        self.lm_rows = out.weight.detach().index_select(0, self.vocab_ids.to(out.weight.device)).float().clone()
-        return self
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., K, H]``: every head's residual stack applied to the hidden state."""
         x = hidden.to(self.heads[0][0].linear.weight.dtype)
         return torch.stack([head(x) for head in self.heads], dim=-2)
 
-    def subset_logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """Features ``[..., H]`` -> float32 logits over the subset ``[..., |S|]``."""
-        if not self.attached:
-            raise RuntimeError("attach the Medusa heads to their target first")
-        logits = feature.float() @ self.lm_rows.t()
-        if self.cfg.softcap:
-            logits = torch.tanh(logits / self.cfg.softcap) * self.cfg.softcap
-        return logits
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> subset logits of every head ``[..., K, |S|]``."""
-        return self.subset_logits(self.features(hidden))
+        return self.logits(self.features(hidden))
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` -> logits on the target vocabulary ``[N, K, V]`` (-inf outside the subset)."""
@@ -126,28 +95,13 @@ class MedusaHeads(nn.Module):
         out[..., self.vocab_ids] = sub
         return out
 
-    # ------------------------------------------------------------------ saving
-    def save(self, path: str | Path, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
-        """Atomically write the blocks + subset + config to one ``.safetensors`` file."""
-        write_weights(path, self.state_dict(), self.vocab_ids, fmt=FORMAT, version=FORMAT_VERSION,
-                      config=asdict(self.cfg), extra=extra, dtype=dtype)
+    def as_runner(self) -> "MedusaRunner":
+        """The heads' draft runner (any tree builder drafts through it)."""
+        return MedusaRunner(self)
 
-    @classmethod
-    def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> "MedusaHeads":
-        config, state, vocab_ids, extra = read_weights(path, fmt=FORMAT, what="Medusa heads file")
-        heads = build_checked(path, "Medusa heads file", MedusaConfig, config, state,
-                              lambda cfg: cls(cfg, vocab_ids))
-        heads.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-        heads.extra = extra
-        heads = heads.to(device=device, dtype=dtype).eval()
-        if target is not None:
-            heads.attach(target)
-        return heads
-
-    @property
-    def num_trained_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def depth_logits(self, target, ids: torch.Tensor, depths: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-depth logits along a sequence (:func:`medusa_depth_logits`, calibration)."""
+        return medusa_depth_logits(self, target, ids, depths)
 
 
 def new_medusa_heads(target, vocab_ids: torch.Tensor, *, num_heads: int = 3, num_layers: int = 1) -> MedusaHeads:
@@ -179,6 +133,9 @@ class MedusaRunner:
         self.device = heads.lm_rows.device
         self.vocab_size = heads.cfg.target_vocab_size
         self.reset()
+
+    def as_runner(self) -> "MedusaRunner":
+        return self
 
     def reset(self) -> None:
         self.length = 0  # committed tokens the runner has accounted for (all but the pending root)

@@ -1,7 +1,8 @@
 """Online adaptation of a draft head while it serves (Online Speculative Decoding, arXiv 2310.07177).
 
-:class:`OnlineHeadDrafter` wraps a :class:`~treespec.drafting.head.HeadDrafter` and fine-tunes its
-head on the target's own data collected during generation: every committed position ``j`` of a
+:class:`OnlineHeadDrafter` wraps a tree builder drafting with a head (any
+:class:`~treespec.trees.common.RunnerDrafter` over a :class:`~treespec.drafting.head_runner.HeadRunner`,
+e.g. ``ShapeDrafter(head, shape, law)``) and fine-tunes its head on the target's own data collected during generation: every committed position ``j`` of a
 request gives an example ``(h_{j-1}, x_j) -> ``
 
 * soft label: the target's next-token distribution at ``j`` on the head's vocabulary subset,
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from ..sampling import SamplingConfig
 from ..verify import VerifyResult
 from .base import Draft, DraftState
-from .head import HeadDrafter
+from .head_runner import HeadRunner
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,26 @@ class OnlineHeadConfig:
 
 
 class OnlineHeadDrafter:
-    """A :class:`HeadDrafter` whose head keeps learning from the requests it serves."""
+    """A head drafter whose head keeps learning from the requests it serves.
 
-    def __init__(self, drafter: HeadDrafter, config: OnlineHeadConfig = OnlineHeadConfig()) -> None:
+    Parameters
+    ----------
+    drafter : a tree builder whose ``runner`` is a :class:`HeadRunner` (e.g. ``ShapeDrafter(head, ...)``).
+    config : the learning settings.
+    """
+
+    def __init__(self, drafter, config: OnlineHeadConfig = OnlineHeadConfig()) -> None:
+        if not isinstance(getattr(drafter, "runner", None), HeadRunner):
+            raise TypeError("OnlineHeadDrafter wraps a drafter whose runner is a HeadRunner (a draft head)")
         self.drafter = drafter
-        self.head = drafter.head
+        self.runner: HeadRunner = drafter.runner
+        self.head = self.runner.head
         self.config = config
         self.params = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.sub_index = torch.full((self.head.cfg.target_vocab_size,), -1, dtype=torch.long,
-                                    device=drafter.device)
-        self.sub_index[self.head.vocab_ids] = torch.arange(self.head.vocab_ids.numel(), device=drafter.device)
+                                    device=self.runner.device)
+        self.sub_index[self.head.vocab_ids] = torch.arange(self.head.vocab_ids.numel(), device=self.runner.device)
         self.updates = 0
         self.begin([])
 
@@ -70,7 +80,7 @@ class OnlineHeadDrafter:
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.drafter.begin(prompt_ids)
-        self.hidden = torch.zeros(0, self.head.cfg.hidden_size, device=self.drafter.device)  # rows = positions 0..
+        self.hidden = torch.zeros(0, self.head.cfg.hidden_size, device=self.runner.device)  # rows = positions 0..
         self.tokens: list[int] = list(prompt_ids)
         self.since_update = 0
 
@@ -115,17 +125,4 @@ class OnlineHeadDrafter:
                 self.optimizer.step()
         head.eval()
         self.updates += 1
-        self._rebuild_cache()
-
-    @torch.no_grad()
-    def _rebuild_cache(self) -> None:
-        """Recompute the drafter's committed entries (positions 1..length) with the new weights."""
-        d, head = self.drafter, self.head
-        n = d.length
-        if n == 0 or d.keys is None:
-            return
-        pos = torch.arange(1, n + 1, device=d.device)
-        toks = torch.tensor(self.tokens[1:n + 1], dtype=torch.long, device=d.device)
-        x = head.inputs(self.hidden[:n], toks)[None]
-        _, k, v = head.layer.qkv_heads(x, pos[None])
-        d.keys, d.values = k, v
+        self.runner.rebuild(self.hidden, toks)  # the committed entries, recomputed with the new weights

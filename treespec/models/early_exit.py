@@ -16,6 +16,7 @@ Decoding via Double Early Exiting", arXiv 2404.18911.
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 from transformers import PreTrainedModel
@@ -52,6 +53,7 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
             setattr(draft, name, module)
     draft.generation_config = copy.deepcopy(target.generation_config)
     draft.__dict__[EARLY_EXIT_KEY] = (target, num_layers)  # plain attribute: not a registered submodule
+    draft.as_runner = types.MethodType(SharedCacheRunner, draft)  # drafts through the shared cache
     return draft.eval()
 
 

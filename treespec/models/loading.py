@@ -268,3 +268,16 @@ def load_draft_model(spec: str, target, *, dtype: str | torch.dtype | None = Non
     draft = load_model(spec, dtype=dtype if dtype is not None else next(target.parameters()).dtype)
     check_vocab_sizes(target, draft)
     return draft
+
+
+def eos_token_ids(model) -> set[int]:
+    """EOS ids from the model's generation config (falling back to its config)."""
+    ids = None
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        ids = gen.eos_token_id
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return {int(i) for i in ([ids] if isinstance(ids, int) else ids)}

@@ -13,6 +13,8 @@ the window.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from transformers import PreTrainedModel
 
@@ -112,6 +114,39 @@ def finish_forward(runner, hidden: torch.Tensor, base: int, m: int, nodes: torch
     return result
 
 
+class DraftRunner(Protocol):
+    """What every tree builder drafts through (a causal LM, an early exit, an EAGLE-style head, Medusa heads).
+
+    ``length`` committed tokens are accounted for; ``model`` is the causal LM behind the runner
+    (None for heads); ``vocab_size`` is the vocabulary of the logits ``forward`` returns.
+    """
+
+    model: PreTrainedModel | None
+    device: torch.device
+    vocab_size: int
+    length: int
+
+    def reset(self) -> None:
+        """Start a new sequence (empty cache)."""
+
+    def observe(self, state) -> None:
+        """Read what the engine offers at the start of a proposal (a :class:`DraftState`)."""
+
+    def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
+                *, need_logits: bool = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
+        """Append ``chain`` (committed) then tree ``nodes``; ``logits`` ``[n, V]`` of the nodes."""
+
+    def commit(self, nodes: list[int]) -> None:
+        """Keep the accepted root path ``nodes`` and drop the other tree entries."""
+
+
+def as_runner(source) -> DraftRunner:
+    """The draft runner of ``source``: its own ``as_runner()`` (runners, heads, early exits), else a
+    :class:`ModelRunner` over it (a Hugging Face causal LM)."""
+    make = getattr(source, "as_runner", None)
+    return make() if make is not None else ModelRunner(source)
+
+
 class ModelRunner:
     """Wraps a causal LM: tree forwards over a rollback-able KV cache.
 
@@ -133,7 +168,13 @@ class ModelRunner:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.reset()
 
+    def as_runner(self) -> "ModelRunner":
+        return self
+
     # ------------------------------------------------------------------ state
+    def observe(self, state) -> None:
+        """A causal LM reads only tokens: nothing to take from the engine."""
+
     def reset(self) -> None:
         self.cache = TreeKVCache()  # every layer keeps all keys; sliding windows live in the masks
         self.length = 0  # committed entries in the cache

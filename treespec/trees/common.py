@@ -10,41 +10,23 @@ from __future__ import annotations
 
 import torch
 
-from ..models.compat import check_draft_vocab
 from ..drafting.base import DraftState
-from ..models.runner import ModelRunner
+from ..models.compat import check_draft_vocab
+from ..models.runner import DraftRunner, as_runner
 from ..verify import VerifyResult
 
 
-def as_runner(model):
-    """A draft runner for ``model``: a causal LM (or its :class:`ModelRunner`) or an attached
-    :class:`~treespec.drafting.head.EagleHead` (or its :class:`~treespec.drafting.head_runner.HeadRunner`),
-    or attached :class:`~treespec.drafting.medusa.MedusaHeads` (or their
-    :class:`~treespec.drafting.medusa.MedusaRunner`)."""
-    from ..drafting.head import EagleHead
-    from ..drafting.head_runner import HeadRunner
-    from ..drafting.medusa import MedusaHeads, MedusaRunner
-
-    if isinstance(model, (ModelRunner, HeadRunner, MedusaRunner)):
-        return model
-    if isinstance(model, EagleHead):
-        return HeadRunner(model)
-    if isinstance(model, MedusaHeads):
-        return MedusaRunner(model)
-    from ..models.early_exit import EARLY_EXIT_KEY, SharedCacheRunner
-
-    if EARLY_EXIT_KEY in model.__dict__:  # an early exit of the target: read the target's cache
-        return SharedCacheRunner(model)
-    return ModelRunner(model)
-
-
 class RunnerDrafter:
-    """Base of the model drafters in :mod:`treespec.trees` (holds a :class:`ModelRunner`)."""
+    """Base of the model drafters in :mod:`treespec.trees`: holds the draft's runner.
+
+    ``model`` is anything :func:`~treespec.models.runner.as_runner` turns into a runner: a causal
+    LM (or its runner), an early-exit model, an attached EAGLE-style head or Medusa heads.
+    """
 
     def __init__(self, model, target_vocab_size: int | None = None) -> None:
-        self.runner = as_runner(model)
+        self.runner: DraftRunner = as_runner(model)
         self.vocab_size = target_vocab_size or self.runner.vocab_size
-        if isinstance(self.runner, ModelRunner):
+        if self.runner.model is not None:  # a causal LM
             check_draft_vocab(self.vocab_size, self.runner.model.get_input_embeddings().weight.shape[0],
                               self.runner.vocab_size)
         elif self.vocab_size != self.runner.vocab_size:
@@ -70,9 +52,7 @@ class RunnerDrafter:
 
         Called once at the start of every proposal; a runner that drafts from the target's hidden
         states (:class:`~treespec.drafting.head_runner.HeadRunner`) takes them here."""
-        observe = getattr(self.runner, "observe", None)
-        if observe is not None:
-            observe(state)
+        self.runner.observe(state)
         committed = state.tokens[:-1]
         if len(committed) <= self.runner.length:
             return None

@@ -44,11 +44,14 @@ class ShapeDrafter(RunnerDrafter):
     shape : the template tree (budget = ``shape.num_drafted`` nodes).
     law : how each node's children are drawn at temperature > 0 (one of ``DRAFT_LAWS``).
     target_vocab_size : the target's vocabulary (a smaller draft vocabulary is zero-padded).
-    min_confidence : adaptive draft length (as :class:`~treespec.drafting.head.HeadDrafter`): with
-        deterministic candidates a child is kept only if the draft gives it at least this
-        probability (softmax of its logits), its template subtree is dropped otherwise; with sampled
-        children every drawn child is kept and only those whose own draft probability reaches the
-        threshold get children. Both depend only on the draft, so verification stays lossless.
+    min_confidence : adaptive draft length (the stopping rule of SpecDec++, arXiv 2405.19715, with
+        the draft's own confidence as the estimate of acceptance; EAGLE-2, arXiv 2406.16858, shows
+        that confidence predicts acceptance). With deterministic candidates a child is kept only if
+        the draft gives it at least this probability (softmax of its logits), its template subtree
+        is dropped otherwise. With sampled children every drawn child is kept (dropping one would
+        change the law of the children) and only those whose own draft probability reaches the
+        threshold get children: a node's subtree depends on the node's token, never on its
+        siblings' fate. Both depend only on the draft, so verification stays lossless.
     """
 
     def __init__(self, model, shape: TreeShape, law: str = "without_replacement",

@@ -25,14 +25,14 @@ remaining depth d sits at depth D - d in a tree of depth bound D).
 
 Pieces:
 
-* :func:`measure_acceptance_vector` measures ``acc`` (and, with ``depths > 1``, the rows per depth)
+* :func:`treespec.calibration.measure_acceptance_vector` measures ``acc`` (and, with ``depths > 1``, the rows per depth)
   for (target, draft, sampling, law) at real positions of calibration prompts (use the *train*
   prompts, never eval); it averages the verifier's exact acceptance probabilities given the
   drafted children (Rao-Blackwellised: no coin flips needed);
 * :class:`SequoiaDP` the depth-bounded dynamic program for the tree of at most n drafted nodes and
   depth <= d maximising F;
 * :func:`enumerate_shapes` / :func:`brute_force_best` all ordered trees with a few nodes (tests);
-* :class:`HardwareProfile` / :func:`measure_profile` the verify cost t(m) / t(1) of m tokens
+* :class:`HardwareProfile` (measured by :func:`treespec.calibration.measure_profile`) the verify cost t(m) / t(1) of m tokens
   (m = 1..128) and the draft step cost c, as JSON; :func:`choose_tree` picks (n, d) maximising
   F(n, d) / (t(n + 1) + d c), the predicted speedup over plain decoding.
 
@@ -44,17 +44,12 @@ from __future__ import annotations
 
 import json
 import math
-import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from ..drafting.laws import draw_children
-from ..sampling import SamplingConfig, logits_to_probs
+from ..files import atomic_write_json
 from .shape import TreeShape
 
 
@@ -83,7 +78,7 @@ class AcceptanceVector:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        atomic_write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "AcceptanceVector":
@@ -96,128 +91,6 @@ def conditional_from_unconditional(acc: list[float]) -> list[float]:
         out.append(a / left if left > 1e-12 else 0.0)
         left -= a
     return out
-
-
-def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """Prompt texts of a JSONL file of ``{"prompt": ...}`` rows."""
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            if line.strip():
-                out.append(json.loads(line)["prompt"])
-                if limit is not None and len(out) >= limit:
-                    break
-    return out
-
-
-@torch.no_grad()
-def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling: SamplingConfig, *,
-                              law: str = "without_replacement", width: int = 8, verifier: str | None = None,
-                              max_positions: int = 128, chunk: int = 64, depths: int = 1,
-                              min_weight: float = 20.0, score_from: list[int] | None = None,
-                              generator: torch.Generator | None = None) -> AcceptanceVector:
-    """Measure ``acc`` on token-id prompts (teacher-forced real positions).
-
-    For every prompt (truncated to ``max_positions`` tokens) one causal forward of the target and
-    of the draft gives p and q after every prefix; at each position ``width`` children are drawn
-    from q under ``law`` (at temperature 0: the draft's top-``width``, verified greedily) and the
-    verifier's exact probability of accepting each rank is averaged.
-
-    ``depths > 1``: one row per tree depth 1..``depths`` (stored in ``by_depth``; :class:`SequoiaDP`
-    and :func:`predicted_tau` then use them). Two effects make acceptance depend on depth, and the
-    rows capture both:
-
-    * a draft :class:`~treespec.drafting.head.EagleHead` reads the target's true hidden states at
-      depth 1 but its own output features deeper in a tree
-      (:func:`~treespec.drafting.head_runner.head_depth_logits` emulates that along the text);
-      :class:`~treespec.drafting.medusa.MedusaHeads` draft depth k with head k from the hidden state
-      before the root (:func:`~treespec.drafting.medusa.medusa_depth_logits`);
-    * F(T) multiplies acceptances along a path, so the row of depth k must be the acceptance
-      *given that the path to the node was accepted*; positions where the draft does well come in
-      runs, so that conditional acceptance grows with depth. The row of depth k therefore weights
-      each position by the probability that the text's own k-1 preceding tokens were each drafted
-      and accepted at their depth (the verifier's exact acceptance of that child given the drawn
-      children), i.e. it averages over the positions a depth-k node is actually reached from.
-      A row whose total weight is below ``min_weight`` positions copies the row above it.
-
-    ``score_from``: per prompt, the index of its first generated token (e.g. a train prompt followed
-    by the target's own continuation). Only nodes of trees rooted at or after the last prompt token
-    are then counted, i.e. the positions a generation would draft at; the prompt still serves as
-    context. None: every position counts.
-    """
-    from ..drafting.head import EagleHead
-    from ..drafting.head_runner import head_depth_logits
-    from ..drafting.medusa import MedusaHeads, medusa_depth_logits
-    from ..verify import DEFAULT_VERIFIER
-    from ..verify import VERIFIER_RULES
-
-    if depths < 1:
-        raise ValueError("depths must be >= 1")
-    if score_from is not None and len(score_from) != len(prompts):
-        raise ValueError(f"score_from has {len(score_from)} entries for {len(prompts)} prompts")
-    law = "deterministic" if sampling.greedy else law
-    name = "greedy" if sampling.greedy else (verifier or DEFAULT_VERIFIER[law])
-    rule = VERIFIER_RULES[name]
-    total = torch.zeros(depths, width + 1, dtype=torch.float64)
-    weight = torch.zeros(depths, dtype=torch.float64)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    is_head = isinstance(draft, (EagleHead, MedusaHeads))
-    depth_logits = medusa_depth_logits if isinstance(draft, MedusaHeads) else head_depth_logits
-    for index, ids in enumerate(prompts):
-        ids = list(ids)[:max_positions]
-        if len(ids) < 2:
-            continue
-        gen = 0 if score_from is None else int(score_from[index])
-        x = torch.tensor([ids])
-        if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
-            t_logits, per_depth = depth_logits(draft, target, x, depths)
-            nxt = x[0, 2:]  # the text token each row predicts
-        else:  # a causal LM reads the true context at every depth: the same rows serve each depth
-            t_logits = target(x).logits[0].float()  # [L, V]
-            per_depth = [draft(x).logits[0].float()] * depths
-            nxt = x[0, 1:]
-        rows_n = t_logits.shape[0]
-        predicted = torch.arange(rows_n, dtype=torch.float64) + (2 if is_head else 1)  # position of row's token
-        text_ok = torch.zeros(rows_n, dtype=torch.float64)  # P(the next text token is drafted and accepted)
-        reach = torch.ones(rows_n, dtype=torch.float64)  # P(the path to this row's node was accepted)
-        for k, d_logits in enumerate(per_depth):
-            if k:  # level k+1 at row i hangs below level k at row i - 1
-                reach = torch.cat([reach.new_zeros(1), (reach * text_ok)[:-1]])
-            if d_logits.shape[-1] < vocab:
-                d_logits = torch.nn.functional.pad(d_logits, (0, vocab - d_logits.shape[-1]), value=float("-inf"))
-            text_ok = torch.zeros(rows_n, dtype=torch.float64)
-            first = k if is_head else 0  # a head has no depth-(k+1) node in its first k rows
-            for s in range(first, rows_n, chunk):
-                e = min(s + chunk, rows_n)
-                p = logits_to_probs(t_logits[s:e], sampling)
-                if law == "deterministic":
-                    q = None
-                    drafts = draw_children(d_logits[s:e], width, "deterministic")
-                else:
-                    q = logits_to_probs(d_logits[s:e], sampling)
-                    drafts = draw_children(q, width, law, generator)
-                choice, _ = rule(p, q, drafts.tokens, drafts.valid)  # [M, W + 1]
-                choice = choice.double().clamp(min=0).cpu()
-                w = reach[s:e] * (predicted[s:e] >= gen + k)  # root (at position - k - 1) >= gen - 1
-                total[k] += (w[:, None] * choice).sum(dim=0)
-                weight[k] += w.sum()
-                if k + 1 < depths:
-                    m = min(e, nxt.numel()) - s  # rows with a next text token
-                    if m > 0:
-                        hit = (drafts.tokens[:m].cpu() == nxt[s:s + m, None]) & drafts.valid[:m].cpu()
-                        text_ok[s:s + m] = (choice[:m, :width] * hit.double()).sum(dim=1)
-    rows = []
-    for k in range(depths):
-        if k and weight[k] < min_weight:
-            rows.append(list(rows[-1]))
-        else:
-            rows.append((total[k, :width] / max(float(weight[k]), 1e-12)).tolist())
-    acc = rows[0]
-    meta = {"law": law, "verifier": name, "width": width, "temperature": sampling.temperature,
-            "top_k": sampling.top_k, "top_p": sampling.top_p, "positions": int(weight[0]), "prompts": len(prompts),
-            "reject_all": float(total[0, width] / max(float(weight[0]), 1e-12)), "depths": depths,
-            "depth_weights": [float(w) for w in weight]}
-    return AcceptanceVector(acc, conditional_from_unconditional(acc), meta, rows if depths > 1 else [])
 
 
 # ====================================================================== tree value
@@ -411,85 +284,11 @@ class HardwareProfile:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        atomic_write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareProfile":
         return cls(**json.loads(Path(path).read_text()))
-
-
-DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-
-
-def _time_tree_pass(runner, tokens: int, repeats: int, vocab: int) -> float:
-    from ..tree import TokenTree
-
-    tree = TokenTree.from_lists([-1] + [0] * (tokens - 1), [t % vocab for t in range(1, tokens + 1)])
-    nodes = torch.arange(tokens, device=runner.device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.forward(tree, nodes)
-        times.append(time.perf_counter() - t0)
-        runner.commit([])  # drop the tree again
-    return statistics.median(times)
-
-
-@torch.no_grad()
-def measure_weight_stream(model, repeats: int = 5) -> tuple[float, int]:
-    """(seconds, bytes): the median time to read every weight byte of ``model`` once (one
-    reduction per distinct parameter/buffer storage; tied weights count once): the memory-bandwidth
-    floor of a decoding step that reads all weights."""
-    seen, tensors = set(), []
-    for t in [*model.parameters(), *model.buffers()]:
-        key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.numel())
-        if t.numel() and key not in seen:
-            seen.add(key)
-            tensors.append(t.detach())
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    times = []
-    for _ in range(repeats + 1):  # the first pass warms up
-        t0 = time.perf_counter()
-        for t in tensors:
-            t.sum()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), nbytes
-
-
-@torch.no_grad()
-def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZES, prefix: int = 128,
-                    repeats: int = 3, draft_width: int = 4, warmup: int = 2, fast: bool = False,
-                    stream: bool = True) -> HardwareProfile:
-    """Time target tree passes of ``sizes`` tokens after a ``prefix``-token context, and one draft
-    step (a ``draft_width``-node frontier) of ``draft`` (None: c = 0). Medians of ``repeats``.
-    ``fast``: through the fast runners (:func:`treespec.models.fast.make_runner`) where they cover
-    the model. ``stream``: also time reading every target weight once (``stream_s``)."""
-    from ..models.fast import make_runner
-
-    if sizes[0] != 1:
-        raise ValueError("sizes must start at 1 (plain decoding)")
-    runner = make_runner(target, fast=fast)
-    vocab = runner.vocab_size
-    runner.reset()
-    runner.forward(None, None, torch.arange(1, prefix + 1, device=runner.device) % vocab, need_logits=False)
-    for _ in range(warmup):
-        _time_tree_pass(runner, sizes[-1], 1, vocab)
-    verify = [_time_tree_pass(runner, n, repeats, vocab) for n in sizes]
-    draft_s = 0.0
-    if draft is not None:
-        drunner = make_runner(draft, fast=fast)
-        drunner.reset()
-        drunner.forward(None, None, torch.arange(1, prefix + 1, device=drunner.device) % drunner.vocab_size,
-                        need_logits=False)
-        for _ in range(warmup):
-            _time_tree_pass(drunner, draft_width, 1, drunner.vocab_size)
-        draft_s = _time_tree_pass(drunner, draft_width, repeats, drunner.vocab_size)
-    meta = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "prefix": prefix, "repeats": repeats, "draft_width": draft_width,
-            "target": type(runner.model).__name__, "runner": type(runner).__name__,
-            "dtype": str(runner.dtype).replace("torch.", "")}
-    stream_s, nbytes = measure_weight_stream(runner.model, max(repeats, 3)) if stream else (0.0, 0)
-    return HardwareProfile(list(sizes), verify, draft_s, meta, stream_s, nbytes)
 
 
 def choose_tree(acc: list[float] | AcceptanceVector, profile: HardwareProfile, *,

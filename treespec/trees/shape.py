@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..files import atomic_write_json
+
 
 def _canonical(parents: list[int]) -> list[int]:
     """Reorder a parent array breadth-first (depth, then parent's new index, then old index)."""
@@ -206,7 +208,7 @@ class TreeShape:
         raise ValueError("a tree shape JSON needs 'parents', 'paths' or 'widths'")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
+        atomic_write_json(path, self.to_dict(), indent=None)
 
     @classmethod
     def load(cls, path: str | Path) -> "TreeShape":

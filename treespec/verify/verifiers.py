@@ -1,5 +1,6 @@
-"""Public verifiers: pure functions ``(tree, target_probs, draft_probs, generator) -> VerifyResult``.
+"""The verifier table: one :class:`VerifierSpec` per verifier, and the one function that runs any of them.
 
+A verifier is a pure function ``(tree, target_probs, draft_probs, generator) -> VerifyResult``.
 ``target_probs`` ``[num_nodes, vocab]``: row i is the target's next-token distribution after node i
 (already processed by the sampling controls). ``draft_probs`` ``[num_nodes, vocab]``: row i is the
 draft distribution the children of node i were drawn from, processed identically; rows of leaves
@@ -8,8 +9,12 @@ are ignored. Each verifier states the draft law it needs and refuses a tree draf
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+from ..sampling import SamplingConfig
 from ..tree import TokenTree
 from . import rules
 from .core import VerifyResult, check_inputs, check_law, verify_tree, verify_tree_greedy
@@ -17,86 +22,73 @@ from .greedy_draft import greedy_draft_rule
 from .kseq import kseq_rule
 from .spechub import spechub_rule
 
+Verifier = Callable[..., VerifyResult]
 
-def verify_greedy(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
-                  generator: torch.Generator | None = None) -> VerifyResult:
-    """Temperature 0 (any draft law): follow children equal to argmax p; emit argmax p after.
 
-    ``target_probs`` may be any row-wise scores with the target's argmax (probabilities or logits).
+@dataclass(frozen=True)
+class VerifierSpec:
+    """One verifier.
+
+    rule : the node rule (what :func:`verify_tree` samples from and ``output_law`` evaluates).
+    laws : draft laws it accepts (None: any law, temperature 0 only).
+    needs_q : whether it reads the draft probabilities.
+    default : the verifier used for trees of law ``laws[0]`` when none is named.
+    max_children : children per node it is defined for (None: any), and what to say beyond.
     """
-    check_inputs(tree, target_probs, draft_probs, False, "greedy")
-    return verify_tree_greedy(tree, target_probs)
+
+    rule: Callable
+    laws: tuple[str, ...] | None
+    needs_q: bool
+    default: bool = False
+    max_children: tuple[int, str] | None = None
 
 
-def verify_single(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                  generator: torch.Generator | None = None) -> VerifyResult:
-    """Single-draft speculative sampling on a chain (at most one child per node), law ``"iid"``."""
-    check_law(tree, ("iid",), "single")
-    if tree.max_children > 1:
-        raise ValueError(
-            f"verifier 'single' takes at most one child per node, this tree has {tree.max_children}; "
-            "use 'rrs' for several i.i.d. children"
-        )
-    check_inputs(tree, target_probs, draft_probs, True, "single")
-    return verify_tree(tree, target_probs, draft_probs, generator, rules.rrs_rule)
+SPECS: dict[str, VerifierSpec] = {
+    # temperature 0: follow children equal to argmax p (any scores with the target's argmax)
+    "greedy": VerifierSpec(rules.greedy_rule, None, False),
+    # single-draft speculative sampling on a chain (Leviathan et al. 2211.17192)
+    "single": VerifierSpec(rules.rrs_rule, ("iid",), True, max_children=(
+        1, "takes at most one child per node, this tree has {n}; use 'rrs' for several i.i.d. children")),
+    # recursive rejection sampling, children i.i.d. from q (SpecInfer 2305.09781)
+    "rrs": VerifierSpec(rules.rrs_rule, ("iid",), True, default=True),
+    # recursive rejection sampling, children without replacement (Jeon et al. 2402.14160)
+    "rrs_without_replacement": VerifierSpec(rules.rrs_without_replacement_rule, ("without_replacement",), True,
+                                            default=True),
+    # deterministic candidates (top-k, n-gram, EAGLE-style), each tested as a point mass
+    "deterministic": VerifierSpec(rules.deterministic_rule, ("deterministic",), False, default=True),
+    # SpecTr K-SEQ (2310.15141), children i.i.d. from q; see treespec.verify.kseq
+    "kseq": VerifierSpec(kseq_rule, ("iid",), True),
+    # greedy drafting (Hu et al. 2502.18779): top-(n-1) of q fixed, the last child drawn from the rest
+    "greedy_draft": VerifierSpec(greedy_draft_rule, ("greedy_draft",), True, default=True),
+    # SpecHub (2411.05289): hub-token pairs; a node with one child is single-draft sampling
+    "spechub": VerifierSpec(spechub_rule, ("spechub",), True, default=True, max_children=(
+        2, "takes at most 2 children per node (its pair law is defined for two drafts), this tree has a "
+           "node with {n}")),
+}
 
 
-def verify_rrs(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+def verifier(name: str) -> Verifier:
+    """The verifier function of ``SPECS[name]``: checks the tree's law, its width and the inputs, then
+    samples the accepted path from the node rule."""
+    spec = SPECS[name]
+
+    def verify(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> VerifyResult:
-    """Recursive rejection sampling, children drawn i.i.d. (with replacement) from q."""
-    check_law(tree, ("iid",), "rrs")
-    check_inputs(tree, target_probs, draft_probs, True, "rrs")
-    return verify_tree(tree, target_probs, draft_probs, generator, rules.rrs_rule)
+        if spec.laws is not None:
+            check_law(tree, spec.laws, name)
+        if spec.max_children is not None and tree.max_children > spec.max_children[0]:
+            raise ValueError(f"verifier {name!r} " + spec.max_children[1].format(n=tree.max_children))
+        check_inputs(tree, target_probs, draft_probs, spec.needs_q, name)
+        if spec.laws is None:
+            return verify_tree_greedy(tree, target_probs)
+        return verify_tree(tree, target_probs, draft_probs if spec.needs_q else None, generator, spec.rule)
+
+    verify.__name__ = verify.__qualname__ = f"verify_{name}"
+    return verify
 
 
-def verify_rrs_without_replacement(tree: TokenTree, target_probs: torch.Tensor,
-                                   draft_probs: torch.Tensor | None,
-                                   generator: torch.Generator | None = None) -> VerifyResult:
-    """Recursive rejection sampling, children drawn from q without replacement."""
-    check_law(tree, ("without_replacement",), "rrs_without_replacement")
-    check_inputs(tree, target_probs, draft_probs, True, "rrs_without_replacement")
-    return verify_tree(tree, target_probs, draft_probs, generator, rules.rrs_without_replacement_rule)
-
-
-def verify_deterministic(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None) -> VerifyResult:
-    """Deterministic candidates (top-k, n-gram, EAGLE-style): each tested as a point mass."""
-    check_law(tree, ("deterministic",), "deterministic")
-    check_inputs(tree, target_probs, draft_probs, False, "deterministic")
-    return verify_tree(tree, target_probs, None, generator, rules.deterministic_rule)
-
-
-def verify_kseq(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                generator: torch.Generator | None = None) -> VerifyResult:
-    """SpecTr K-SEQ (arXiv 2310.15141), children drawn i.i.d. from q; see :mod:`treespec.verify.kseq`."""
-    check_law(tree, ("iid",), "kseq")
-    check_inputs(tree, target_probs, draft_probs, True, "kseq")
-    return verify_tree(tree, target_probs, draft_probs, generator, kseq_rule)
-
-
-def verify_greedy_draft(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                        generator: torch.Generator | None = None) -> VerifyResult:
-    """Greedy drafting (Hu et al., arXiv 2502.18779): top-(n-1) of q fixed, last child drawn from the rest.
-
-    See :mod:`treespec.verify.greedy_draft`.
-    """
-    check_law(tree, ("greedy_draft",), "greedy_draft")
-    check_inputs(tree, target_probs, draft_probs, True, "greedy_draft")
-    return verify_tree(tree, target_probs, draft_probs, generator, greedy_draft_rule)
-
-
-def verify_spechub(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator | None = None) -> VerifyResult:
-    """SpecHub (arXiv 2411.05289): hub-token pairs, at most 2 children per node.
-
-    See :mod:`treespec.verify.spechub`. A node with one child is verified as single-draft
-    speculative sampling (its child is the first draw of a SpecHub pair, distributed as q).
-    """
-    check_law(tree, ("spechub",), "spechub")
-    if tree.max_children > 2:
-        raise ValueError(
-            f"verifier 'spechub' takes at most 2 children per node (its pair law is defined for "
-            f"two drafts), this tree has a node with {tree.max_children}"
-        )
-    check_inputs(tree, target_probs, draft_probs, True, "spechub")
-    return verify_tree(tree, target_probs, draft_probs, generator, spechub_rule)
+def resolve_verifier(name: str, law: str, sampling: SamplingConfig) -> str:
+    """The verifier to use: ``name``, or for ``"auto"`` greedy at temperature 0, else the default for ``law``."""
+    if name == "auto":
+        return "greedy" if sampling.greedy else next(n for n, s in SPECS.items() if s.default and s.laws[0] == law)
+    return name

@@ -1,0 +1,131 @@
+"""One registry of drafters by name: what ``treespec generate --draft``, ``benchmarks/run.py`` and
+``benchmarks/bench_trees.py`` build.
+
+* :func:`build_drafter` (the CLI's ``--draft`` words): ``ngram``, ``head``, ``lookup+head``,
+  ``lookup+H.safetensors``, ``H.safetensors``, ``early-exit:L`` or a Hugging Face draft model path;
+* :func:`build_tree_drafter` (tree builders at a node budget, :data:`TREE_BUILDERS`): ``ngram``,
+  ``chain``, ``specinfer``, ``spectr``, ``sequoia``, ``dyspec``, ``dyspec_threshold``, ``eagle2``,
+  ``merged`` over any draft (a causal LM, an early exit, an EAGLE-style head, Medusa heads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .drafting.base import Drafter
+from .drafting.compose import FirstOf
+from .drafting.ngram import NgramConfig, NgramDrafter
+from .trees.dyspec import DySpecDrafter
+from .trees.eagle2 import Eagle2Drafter
+from .trees.grow import ShapeDrafter
+from .trees.merged import MergedDrafter
+from .trees.sequoia import SequoiaDP
+from .trees.shape import TreeShape
+
+#: the best measured n-gram default (benchmarks/results/speed): an adaptive chain of up to 8
+LOOKUP = NgramConfig(depth=8, branches=1, adaptive=True)
+
+TREE_BUILDERS = ("ngram", "chain", "specinfer", "spectr", "sequoia", "dyspec", "dyspec_threshold", "eagle2",
+                 "merged")
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """``tree``: per-depth widths (one number n: a chain of n; for ``ngram``: depth, branches);
+    ``law``: draft law of model / head trees at temperature > 0; ``min_confidence``: adaptive draft
+    length of a head (None: the head's own default)."""
+
+    tree: tuple[int, ...] | None = None
+    law: str = "iid"
+    min_confidence: float | None = None
+
+
+def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    tree = tuple(tree or default)
+    return (1,) * tree[0] if len(tree) == 1 else tree
+
+
+def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions()) -> ShapeDrafter:
+    """An EAGLE-style head (the shipped one when ``path`` is None) growing per-depth widths."""
+    from .drafting.head import EagleHead
+    from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
+
+    head = load_default_head(target) if path is None else EagleHead.load(path, target)
+    settings = DEFAULT_HEAD_SETTINGS if path is None else {"tree": (1, 1, 1, 1), "min_confidence": 0.0}
+    confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
+    return ShapeDrafter(head, TreeShape.widths(_widths(options.tree, settings["tree"])), options.law,
+                        min_confidence=confidence)
+
+
+def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, tokenizer=None,
+                  dtype: torch.dtype | None = None) -> Drafter:
+    """The drafter ``--draft name`` stands for, drafting for ``target`` (a Hugging Face causal LM).
+
+    ``tokenizer`` (the target's) and ``dtype`` are needed for a draft model path only.
+    """
+    if name == "head" or name.startswith("lookup+"):
+        path = None if name in ("head", "lookup+head") else name.removeprefix("lookup+")
+        head = head_drafter(target, path, options)
+        return head if name == "head" else FirstOf(NgramDrafter(LOOKUP), head)
+    if name == "ngram":
+        if options.tree is None:
+            return NgramDrafter(LOOKUP)
+        depth, branches = options.tree
+        return NgramDrafter(NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches))
+    if name.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
+        return head_drafter(target, name, options)
+    from .models.loading import load_draft_model, load_model, load_tokenizer
+
+    widths = TreeShape.widths(_widths(options.tree, (1, 1, 1, 1)))
+    if name.startswith("early-exit:"):  # the target's own first layers (self-speculative)
+        return ShapeDrafter(load_draft_model(name, target), widths, options.law)
+    from .models.compat import check_tokenizers, check_vocab_sizes
+
+    check_tokenizers(tokenizer, load_tokenizer(name))
+    draft = load_model(name, dtype=dtype)
+    check_vocab_sizes(target, draft)
+    return ShapeDrafter(draft, widths, options.law, target.get_output_embeddings().weight.shape[0])
+
+
+def specinfer_widths(budget: int) -> tuple[int, ...]:
+    """Per-depth widths <4, 2, 2, 1, 1, ...> grown while the tree fits the budget (SpecInfer's <k1..km>)."""
+    plan, widths = [4, 2, 2] + [1] * 16, []
+    for w in plan:
+        if TreeShape.widths(tuple(widths + [w])).num_drafted > budget:
+            break
+        widths.append(w)
+    return tuple(widths) or (min(budget, 1),)
+
+
+def build_tree_drafter(builder: str, draft, budget: int, *, vocab: int | None = None,
+                       acc: list[float] | None = None, max_depth: int = 8) -> Drafter:
+    """Tree builder ``builder`` of :data:`TREE_BUILDERS` drafting ``budget`` nodes (at most ``max_depth`` deep)
+    with ``draft``; ``acc``: the acceptance rows of ``sequoia``; ``vocab``: the target's vocabulary."""
+    law = "without_replacement"
+    if builder == "ngram":
+        return NgramDrafter(NgramConfig(depth=min(8, budget), branches=max(1, math.ceil(budget / 8)),
+                                        max_nodes=budget))
+    if builder == "chain":
+        return ShapeDrafter(draft, TreeShape.chain(min(budget, max_depth)), law, vocab)
+    if builder == "specinfer":
+        return ShapeDrafter(draft, TreeShape.widths(specinfer_widths(budget)), law, vocab)
+    if builder == "spectr":
+        return ShapeDrafter(draft, TreeShape.independent_chains(4, max(1, min(budget // 4, max_depth))), "iid",
+                            vocab)
+    if builder == "sequoia":
+        return ShapeDrafter(draft, SequoiaDP(acc, budget, max_depth).shape(budget, max_depth), law, vocab)
+    if builder == "dyspec":
+        return DySpecDrafter(draft, budget, max_depth, target_vocab_size=vocab)
+    if builder == "dyspec_threshold":
+        return DySpecDrafter(draft, budget, max_depth, variant="threshold", target_vocab_size=vocab)
+    if builder == "eagle2":
+        return Eagle2Drafter(draft, budget, top_k=min(8, budget), depth=max_depth, target_vocab_size=vocab)
+    if builder == "merged":
+        extra = max(1, budget // 4)
+        return MergedDrafter(Eagle2Drafter(draft, budget - extra, top_k=min(8, budget), depth=max_depth,
+                                           target_vocab_size=vocab),
+                             NgramConfig(depth=min(8, extra), branches=2, max_nodes=extra))
+    raise ValueError(f"unknown tree builder {builder!r}; expected one of {TREE_BUILDERS}")

@@ -1,0 +1,106 @@
+"""The base of draft heads that score with the target's own LM-head rows on a vocabulary subset.
+
+EAGLE-style heads (:mod:`.head`) and Medusa heads (:mod:`.medusa`) share everything but their
+trained layers: a sorted subset ``S`` of the target's vocabulary; the target's LM-head rows
+``W[S]`` copied when the head is attached (frozen, never saved); float32 logits ``f @ W[S].T``
+with the target's final soft-capping; and one ``.safetensors`` file holding the trained weights,
+``S`` and the config. The draft's probability is exactly 0 outside ``S`` (rows are padded back to
+the target vocabulary by the runners), so verification stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from .weights_file import build_checked, read_weights, write_weights
+
+
+class SubsetHead(nn.Module):
+    """Vocabulary subset, target coupling, logits and the weights file of a draft head.
+
+    Subclasses set ``FORMAT`` (the file's format tag), ``FILE_WHAT`` (how its files are named in
+    errors), ``CONFIG`` (their frozen config dataclass, with ``hidden_size``, ``target_vocab_size``
+    and ``softcap``), and implement :meth:`as_runner` and :meth:`depth_logits`.
+    """
+
+    FORMAT: ClassVar[str]
+    FORMAT_VERSION: ClassVar[int] = 1
+    FILE_WHAT: ClassVar[str]
+    CONFIG: ClassVar[type]
+
+    def __init__(self, cfg, vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ids = torch.as_tensor(vocab_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 \
+                or int(ids[-1]) >= cfg.target_vocab_size:
+            raise ValueError("vocab_ids must be strictly increasing ids inside the target vocabulary")
+        self.register_buffer("vocab_ids", ids, persistent=False)
+        self.register_buffer("lm_rows", torch.empty(0), persistent=False)  # W[S] [|S|, H], frozen copy
+
+    # ------------------------------------------------------------------ target coupling
+    @property
+    def attached(self) -> bool:
+        return self.lm_rows.numel() > 0
+
+    def attach(self, target) -> "SubsetHead":
+        """Take the LM-head rows of the subset from ``target`` (a causal LM or its runner), frozen."""
+        from ..models.runner import ModelRunner
+
+        model = target.model if isinstance(target, ModelRunner) else target
+        out = model.get_output_embeddings()
+        if out.weight.shape[1] != self.cfg.hidden_size or out.weight.shape[0] != self.cfg.target_vocab_size:
+            raise ValueError(f"{self.FILE_WHAT}: built for another target (hidden size or vocabulary differ)")
+        self._attach_inputs(model)
+        self.lm_rows = out.weight.detach().index_select(0, self.vocab_ids.to(out.weight.device)).float().clone()
+        return self
+
+    def _attach_inputs(self, model) -> None:
+        """Take what else the head reads from the target (nothing by default)."""
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """Features ``[..., H]`` -> float32 logits over the subset ``[..., |S|]``."""
+        if not self.attached:
+            raise RuntimeError("attach the head to its target first")
+        logits = feature.float() @ self.lm_rows.t()
+        if self.cfg.softcap:
+            logits = torch.tanh(logits / self.cfg.softcap) * self.cfg.softcap
+        return logits
+
+    # ------------------------------------------------------------------ drafting
+    def as_runner(self):
+        """The draft runner every tree builder drafts through."""
+        raise NotImplementedError
+
+    def depth_logits(self, target, ids: torch.Tensor, depths: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Target logits ``[L - 1, V]`` and the head's logits at tree depths ``1..depths`` along ``ids``
+        ``[1, L]`` (calibration; row ``i`` predicts position ``i + 2``, undefined rows NaN)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ saving
+    def save(self, path: str | Path, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
+        """Atomically write the trained weights + subset + config to one ``.safetensors`` file."""
+        write_weights(path, self.state_dict(), self.vocab_ids, fmt=self.FORMAT, version=self.FORMAT_VERSION,
+                      config=asdict(self.cfg), extra=extra, dtype=dtype)
+
+    @classmethod
+    def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> "SubsetHead":
+        """A head from its file, attached to ``target`` when given."""
+        config, state, vocab_ids, extra = read_weights(path, fmt=cls.FORMAT, what=cls.FILE_WHAT)
+        head = build_checked(path, cls.FILE_WHAT, cls.CONFIG, config, state, lambda cfg: cls(cfg, vocab_ids))
+        head.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+        head.extra = extra
+        head = head.to(device=device, dtype=dtype).eval()
+        if target is not None:
+            head.attach(target)
+        return head
+
+    @property
+    def num_trained_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
