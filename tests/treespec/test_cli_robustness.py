@@ -188,3 +188,29 @@ def test_nan_head_at_positive_temperature_is_named(target):
     drafter = HeadDrafter(head, StaticTreeShape((2, 1), "iid"), min_confidence=0.0)
     with pytest.raises(NonFiniteLogitsError, match="NaN logits"):
         generate(target, [1, 2, 3], drafter, GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(1.0)))
+
+
+@pytest.mark.parametrize("argv", [["--draft", "ngram", "--tree", "1"], ["--draft", "ngram", "--tree", "2,2,1"],
+                                  ["--tree", "3", "--temperature", "1"]])  # auto resolves to ngram at T > 0
+def test_ngram_tree_needs_depth_and_branches_before_loading(capsys, monkeypatch, tiny_dir, argv):  # noqa: F811
+    import treespec.models.loading as loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    monkeypatch.setattr(loading, "load_tokenizer", no_loading)
+    err = assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--max-new-tokens", "2", *argv,
+                         match="treespec: error: CliInputError: for --draft ngram, --tree takes depth,branches")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_auto_ngram_tree_limit_counts_depth_times_branches(capsys, tiny_dir):  # noqa: F811
+    """--draft auto at T > 0 on a non-embedded target is ngram: --tree 32,32 is 32 x 32 = 1024 nodes (the
+    limit, accepted), not a static tree of 32 + 1024; --tree 40,40 is refused as 1600 nodes."""
+    code, out, err = run_cli(capsys, "w1 w2 w1", "--target", tiny_dir, "--temperature", "1", "--tree", "32,32",
+                             "--max-new-tokens", "2", "--threads", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["statistics"]["method"] == "NgramDrafter"
+    assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--temperature", "1", "--tree", "40,40",
+                   match=f"asks for 1600 draft nodes; the limit is {MAX_TREE_NODES}")
