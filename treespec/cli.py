@@ -240,10 +240,11 @@ def run_generate(args) -> int:
     prompt_ids = tokenizer(args.prompt)["input_ids"]
     stream = None
     if not args.json:
-        print(args.prompt, end="", flush=True)
         shown = {"ids": [], "text": ""}
 
         def stream(new_ids: list[int]) -> None:
+            if not shown["ids"]:  # the prompt is echoed with the first tokens: a refusal by generate() prints nothing
+                print(args.prompt, end="")
             shown["ids"].extend(new_ids)
             text = tokenizer.decode(shown["ids"], skip_special_tokens=True)
             print(text[len(shown["text"]):], end="", flush=True)
