@@ -79,7 +79,8 @@ class MedusaHeads(nn.Module):
         self.cfg = cfg
         self.heads = nn.ModuleList(nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)])
                                    for _ in range(cfg.num_heads))
-        ids = torch.as_tensor(vocab_ids, dtype=torch.long).flatten()
+        ids = torch.as_tensor(vocab_ids, dtype=torch.long,  # checked on its device (also under torch.device("meta"))
+                              device=vocab_ids.device if isinstance(vocab_ids, torch.Tensor) else "cpu").flatten()
         if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 \
                 or int(ids[-1]) >= cfg.target_vocab_size:
             raise ValueError("vocab_ids must be strictly increasing ids inside the target vocabulary")
