@@ -243,7 +243,8 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
         axes[1][j].set_title(f"T = {t:g}: speedup over plain")
         axes[1][j].axhline(1.0, color="gray", lw=0.8)
         for ax in (axes[0][j], axes[1][j]):
-            ax.set_xscale("log", base=2)
+            if any(r["temperature"] == t for r in results):  # a partial run has no points yet at later T
+                ax.set_xscale("log", base=2)
             ax.set_xlabel("node budget")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-depth", type=int, default=10)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--sequoia-acc", default=None,
                     help="acceptance vector JSON, or an earlier run's results.json (its calibration rows per "
@@ -310,8 +311,12 @@ def main(argv=None) -> int:
     if args.tiny:
         from treespec.models.tiny import tiny_model
         vocab = 256
-        target = tiny_model("gemma3", vocab, seed=0, hidden_size=64, logit_scale=8, max_positions=2048)
-        draft = tiny_model("gemma3", vocab, seed=1, hidden_size=32, logit_scale=8, max_positions=2048)
+        from treespec.models.loading import resolve_dtype
+        tiny_dtype = resolve_dtype(args.dtype)  # --dtype bfloat16 runs every builder in bf16 on tiny models too
+        target = tiny_model("gemma3", vocab, seed=0, hidden_size=64, logit_scale=8, max_positions=2048,
+                            dtype=tiny_dtype)
+        draft = tiny_model("gemma3", vocab, seed=1, hidden_size=32, logit_scale=8, max_positions=2048,
+                           dtype=tiny_dtype)
         encode = lambda text: [b % vocab for b in text.encode()][-args.max_prompt_tokens:] or [1]  # noqa: E731
         target_name, draft_name = "tiny-gemma3-random", "tiny-gemma3-random"
     else:

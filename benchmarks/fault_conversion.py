@@ -6,7 +6,12 @@ final uninterrupted run) starts on that same cache, so each run must clean the l
 killed before it. At the end the finished cache must be valid, hold no stray files, and match the
 manifest of a reference cache (``--reference``, default the user's cache) file for file.
 
-    nice -n 10 python benchmarks/fault_conversion.py --kills 2 --out fault_conversion.json
+Results go through :mod:`benchmarks.common` like every benchmark: ``provenance.json`` (commit, clean /
+dirty, machine, versions, command) and ``fault_conversion.json`` in
+``benchmarks/results/faults/<date>-<commit>[-tag]`` (or ``--out DIR``); the children import treespec
+from this checkout.
+
+    nice -n 10 python benchmarks/fault_conversion.py --kills 2
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import REPO, add_output_args, finish, open_results, write_json  # noqa: E402
+
 CHILD = ("import time; t = time.time(); from treespec.models.loading import embedded_gemma_dir; "
          "embedded_gemma_dir(progress=False); print('done', time.time() - t)")
 
@@ -30,7 +38,7 @@ def _listing(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from treespec.models import loading
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,14 +47,20 @@ def main() -> int:
     ap.add_argument("--min-delay", type=float, default=5.0)
     ap.add_argument("--max-delay", type=float, default=60.0)
     ap.add_argument("--reference", type=Path, default=loading.cache_root() / f"gemma-3-270m-v{loading._CACHE_FORMAT}")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    started = time.time()
+    out, prov = open_results("faults", args.out, allow_dirty=args.allow_dirty, tag=args.tag)
 
     rng = random.Random(args.seed)
-    report: dict = {"seed": args.seed, "trials": []}
+    report: dict = {"commit": prov["commit_short"] + ("-dirty" if prov["dirty"] else ""), "seed": args.seed,
+                    "kills": args.kills, "delay_s": [args.min_delay, args.max_delay], "trials": []}
     with tempfile.TemporaryDirectory(prefix="treespec-fault-") as tmp:
         root = Path(tmp) / "cache"
-        env = dict(os.environ, TREESPEC_CACHE=str(root), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, TREESPEC_CACHE=str(root), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=pythonpath)
         for trial in range(args.kills):
             delay = rng.uniform(args.min_delay, args.max_delay)
             before = _listing(root)
@@ -80,10 +94,12 @@ def main() -> int:
             report["final"]["differing_files"] = sorted(
                 n for n in set(ours["files"]) | set(ref["files"]) if ours["files"].get(n) != ref["files"].get(n))
         print(json.dumps(report["final"]), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
     ok = report["final"]["returncode"] == 0 and report["final"]["valid"] and not report["final"]["stray"]
-    return 0 if ok and report["final"].get("equals_reference", True) else 1
+    report["survived"] = bool(ok and report["final"].get("equals_reference", True))
+    write_json(out / "fault_conversion.json", report)
+    finish(out, started)
+    print(f"results in {out}")
+    return 0 if report["survived"] else 1
 
 
 if __name__ == "__main__":

@@ -57,6 +57,14 @@ def tree_nodes(branching: tuple[int, ...]) -> int:
     return total
 
 
+def _resolved_draft(args: argparse.Namespace) -> str:
+    """``--draft`` with ``auto`` resolved (measured, benchmarks/results/speed/2026-11-22-t0, -t1: the head
+    pays at T=0 only)."""
+    if args.draft != "auto":
+        return args.draft
+    return "lookup+head" if args.target == "embedded" and args.temperature == 0 else "ngram"
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
@@ -65,8 +73,12 @@ def _check_args(args: argparse.Namespace) -> None:
     except UnicodeEncodeError as err:
         raise CliInputError(f"the prompt is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
     if args.tree is not None:
+        ngram = not args.plain and _resolved_draft(args) == "ngram"
+        if ngram and len(args.tree) != 2:
+            raise CliInputError(f"for --draft ngram, --tree takes depth,branches (e.g. 8,4); "
+                                f"got {','.join(map(str, args.tree))}")
         branching = (1,) * args.tree[0] if len(args.tree) == 1 else args.tree
-        nodes = args.tree[0] * args.tree[1] if args.draft == "ngram" and len(args.tree) == 2 else tree_nodes(branching)
+        nodes = args.tree[0] * args.tree[1] if ngram else tree_nodes(branching)
         if nodes > MAX_TREE_NODES:
             raise CliInputError(f"--tree {','.join(map(str, args.tree))} asks for {nodes} draft nodes; "
                                 f"the limit is {MAX_TREE_NODES}")
@@ -186,10 +198,11 @@ def run_generate(args) -> int:
     prompt_ids = tokenizer(args.prompt)["input_ids"]
     stream = None
     if not args.json:
-        print(args.prompt, end="", flush=True)
         shown = {"ids": [], "text": ""}
 
         def stream(new_ids: list[int]) -> None:
+            if not shown["ids"]:  # the prompt is echoed with the first tokens: a refusal by generate() prints nothing
+                print(args.prompt, end="")
             shown["ids"].extend(new_ids)
             text = tokenizer.decode(shown["ids"], skip_special_tokens=True)
             print(text[len(shown["text"]):], end="", flush=True)

@@ -1,18 +1,23 @@
 """Property-based fuzz of ``treespec generate`` arguments and of GenerationConfig / SamplingConfig.
 
-Every generated argument list either runs (exit 0, stdout = one JSON document, tokens in the
-vocabulary) or is refused (exit 2, one ``treespec: error:`` line on stderr, nothing on stdout); never
-a traceback. Memory bound: across all examples the process's peak RSS grows by less than 300 MB
-(the tiny model is ~1 MB; a refused 64,64,64 tree would need > 200 GB). 40 derandomized examples,
-max-new-tokens <= 4: about 10-20 s on one core.
+Every generated argument list, in ``--json`` mode and in text (streaming) mode, either runs (exit 0;
+stdout = one JSON document, or the prompt followed by the continuation; tokens in the vocabulary) or is
+refused (exit 2, exactly one ``error:`` line on stderr -- ``treespec: error:`` for the CLI's checks,
+``treespec generate: error:`` for argparse's -- and NOTHING on stdout, also in text mode where the
+prompt is echoed); never a traceback. The space includes refusals decided only by ``generate()``
+(--max-new-tokens 600 overflows the tiny model's 512-token context) and ``--draft ngram`` with a
+one-number ``--tree``. Memory bound: no example raises the process's peak RSS by 300 MB or more
+(the tiny model is ~1 MB; a refused 64,64,64 tree would need > 200 GB). 150 derandomized
+examples plus 4 explicit ones, max-new-tokens <= 4: a few seconds on one core.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 import resource
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from treespec.cli import main as cli_main
 from treespec.generate import GenerationConfig
@@ -32,19 +37,26 @@ ARGS = st.fixed_dictionaries({}, optional={
     "--tree": st.sampled_from(["1", "2,1", "2,2", "8,4", "64,64,64", "0", "a,b"]),
     "--threads": st.sampled_from(["1", "0", "-1"]),
     "--dtype": st.sampled_from(["float32", "bfloat16"]),
-    "--max-new-tokens": st.sampled_from(["1", "4", "0", "-2"]),
+    "--max-new-tokens": st.sampled_from(["1", "4", "0", "-2", "600"]),
     "--min-confidence": st.sampled_from(["0", "0.5"]),
     "--seed": st.sampled_from(["0", "7"]),
 })
 
 
-OUTCOMES: set[int] = set()
+PROMPT = "w1 w2 w3 w1 w2"
+OUTCOMES: Counter[tuple[bool, int]] = Counter()  # (json mode, exit status) -> examples
 
 
-@settings(max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ARGS, st.booleans())
-def test_cli_fuzz(capsys, tiny_dir, options, plain):  # noqa: F811
-    argv = ["generate", "w1 w2 w3 w1 w2", "--target", tiny_dir, "--json", "--no-stop"]
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ARGS, st.booleans(), st.booleans())
+@example({"--draft": "ngram", "--tree": "1"}, False, False)
+@example({"--draft": "ngram", "--tree": "1"}, False, True)
+@example({"--temperature": "1", "--tree": "2,2,1"}, False, False)  # auto -> ngram at T > 0
+@example({"--max-new-tokens": "600"}, False, False)  # refused by generate(), after the model loaded
+def test_cli_fuzz(capsys, tiny_dir, options, plain, json_mode):  # noqa: F811
+    argv = ["generate", PROMPT, "--target", tiny_dir, "--no-stop"]
+    if json_mode:
+        argv.append("--json")
     if "--max-new-tokens" not in options:
         argv += ["--max-new-tokens", "3"]
     if "--threads" not in options:
@@ -60,21 +72,29 @@ def test_cli_fuzz(capsys, tiny_dir, options, plain):  # noqa: F811
         code = stop.code
     out, err = capsys.readouterr()
     assert "Traceback" not in err, (argv, err)
-    OUTCOMES.add(code)
+    OUTCOMES[json_mode, code] += 1
     if code == 0:
-        result = json.loads(out)
-        assert all(0 <= t < VOCAB for t in result["token_ids"]), argv
-        assert 1 <= len(result["token_ids"]) <= int(options.get("--max-new-tokens", "3"))
+        if json_mode:
+            result = json.loads(out)
+            assert all(0 <= t < VOCAB for t in result["token_ids"]), argv
+            assert 1 <= len(result["token_ids"]) <= int(options.get("--max-new-tokens", "3"))
+        else:
+            assert out.startswith(PROMPT) and out.endswith("\n"), (argv, out)
+            assert "tokens/s" in err, (argv, err)
     else:
         assert code == 2, (argv, code, err)
         assert out == "", (argv, out)
-        assert "error:" in err, (argv, err)
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith(("treespec: error:", "treespec generate: error:")), \
+            (argv, err)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 300_000, argv  # KB on Linux
 
 
 def test_cli_fuzz_saw_both_outcomes():
-    """Runs after test_cli_fuzz: the fuzz must have exercised both successful runs and refusals."""
-    assert OUTCOMES == {0, 2}, OUTCOMES
+    """Runs after test_cli_fuzz: the fuzz must have exercised successful runs and refusals in both modes."""
+    print(f"cli fuzz outcomes (json mode, exit status): {dict(OUTCOMES)}")
+    assert set(OUTCOMES) == {(False, 0), (False, 2), (True, 0), (True, 2)}, OUTCOMES
+    assert min(OUTCOMES.values()) >= 5, OUTCOMES
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)

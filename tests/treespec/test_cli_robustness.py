@@ -188,3 +188,85 @@ def test_nan_head_at_positive_temperature_is_named(target):
     drafter = ShapeDrafter(head, TreeShape.widths((2, 1)), "iid", min_confidence=0.0)
     with pytest.raises(NonFiniteLogitsError, match="NaN logits"):
         generate(target, [1, 2, 3], drafter, GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(1.0)))
+
+
+@pytest.mark.parametrize("argv", [["--draft", "ngram", "--tree", "1"], ["--draft", "ngram", "--tree", "2,2,1"],
+                                  ["--tree", "3", "--temperature", "1"]])  # auto resolves to ngram at T > 0
+def test_ngram_tree_needs_depth_and_branches_before_loading(capsys, monkeypatch, tiny_dir, argv):  # noqa: F811
+    import treespec.models.loading as loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    monkeypatch.setattr(loading, "load_tokenizer", no_loading)
+    err = assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--max-new-tokens", "2", *argv,
+                         match="treespec: error: CliInputError: for --draft ngram, --tree takes depth,branches")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_auto_ngram_tree_limit_counts_depth_times_branches(capsys, tiny_dir):  # noqa: F811
+    """--draft auto at T > 0 on a non-embedded target is ngram: --tree 32,32 is 32 x 32 = 1024 nodes (the
+    limit, accepted), not a static tree of 32 + 1024; --tree 40,40 is refused as 1600 nodes."""
+    code, out, err = run_cli(capsys, "w1 w2 w1", "--target", tiny_dir, "--temperature", "1", "--tree", "32,32",
+                             "--max-new-tokens", "2", "--threads", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["statistics"]["method"] == "NgramDrafter"
+    assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--temperature", "1", "--tree", "40,40",
+                   match=f"asks for 1600 draft nodes; the limit is {MAX_TREE_NODES}")
+
+
+class _LargestAllocation(torch.overrides.TorchFunctionMode):
+    """Records the element count of the largest non-meta tensor any torch function returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.device.type != "meta":
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
+@pytest.mark.parametrize("cls", ["head", "medusa"])
+@pytest.mark.parametrize("size", [1_000_000, 2_000_000_000])
+def test_zero_size_tensor_cannot_lift_the_size_ceiling(tmp_path, target, cls, size):
+    """A crafted file adds an empty tensor of shape (0, size): its dimension lifts the "no size above the
+    largest stored dimension" bound, so the config may declare ``size``. The module is probed on the meta
+    device: the file is refused by name without allocating the declared module (a 1e6-wide head would
+    allocate 384 MB, a 2e9-wide one 768 GB)."""
+    from safetensors import safe_open
+
+    if cls == "head":
+        path, key, load = tmp_path / "h.safetensors", "intermediate_size", EagleHead.load
+        new_head(target, torch.arange(0, 64, 2)).save(path)
+    else:
+        path, key, load = tmp_path / "m.safetensors", "hidden_size", MedusaHeads.load
+        new_medusa_heads(target, torch.arange(0, 64, 2), num_heads=2).save(path)
+    with safe_open(str(path), framework="pt") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    config = json.loads(meta["config"])
+    config[key] = size
+    meta["config"] = json.dumps(config)
+    tensors["ceiling"] = torch.empty(0, size)
+    path.write_bytes(save(tensors, metadata=meta))
+    mode = _LargestAllocation()
+    start = time.perf_counter()
+    with mode, pytest.raises(ValueError, match="tensors do not match its config") as info:
+        load(path, target)
+    assert str(path) in str(info.value)
+    assert mode.largest < 100_000, mode.largest  # the real module has ~10k parameters
+    assert time.perf_counter() - start < 2
+
+
+def test_file_missing_a_tensor_is_refused_before_allocation(tmp_path, target):
+    path = _head_file(tmp_path, target)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys() if k != "layer.down.weight"}
+    path.write_bytes(save(tensors, metadata=meta))
+    with pytest.raises(ValueError, match="layer.down.weight stored nothing"):
+        EagleHead.load(path, target)

@@ -25,7 +25,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from treespec.distill.continuations import ContinuationOptions, build_continuations
 from treespec.distill.corpus import CorpusOptions, build_corpus
+from treespec.distill.medusa import MedusaTrainConfig, train_medusa
 from treespec.distill.train import TrainConfig, export_checkpoint, train
 from treespec.models.tiny import tiny_model
 
@@ -204,3 +206,71 @@ def test_stale_temporaries_of_dead_writers_are_removed(target, corpus, tmp_path)
     export_checkpoint(tmp_path / "run", tmp_path / "out" / "head.safetensors")
     for folder in (built, tmp_path / "run", tmp_path / "out"):
         assert temporaries(folder) == [live], folder
+
+
+MEDUSA_CFG = MedusaTrainConfig(steps=40, batch_size=16, lr=1e-2, warmup=5, num_heads=2, vocab_size=64,
+                               ckpt_every=4)
+
+
+def test_medusa_training_survives_kill_9(target, corpus, tmp_path):
+    """``python -m treespec.distill medusa``'s trainer: a killed run resumes from medusa-ckpt.pt to the same
+    heads, optimizer state and loss history (wall-clock fields aside) as an uninterrupted run."""
+    ref = tmp_path / "ref"
+    train_medusa(target, [corpus], ref, MEDUSA_CFG, progress=False)
+    wall = forked_wall(lambda: train_medusa(target, [corpus], tmp_path / "timing", MEDUSA_CFG, progress=False))
+    want = torch.load(ref / "medusa-ckpt.pt", weights_only=True)
+    files = sorted(p.name for p in ref.iterdir())
+    interrupted, resumed, mid_write = 0, 0, 0
+    for seed in range(TRIALS):
+        run = tmp_path / f"trial-{seed}"
+        interrupted += killed_run(lambda: train_medusa(target, [corpus], run, MEDUSA_CFG, progress=False),
+                                  random.Random(seed).uniform(0, 1.1 * wall))
+        mid_write += bool(temporaries(run)) if run.exists() else 0
+        if (run / "medusa-ckpt.pt").exists():
+            resumed += torch.load(run / "medusa-ckpt.pt", weights_only=True)["step"] < MEDUSA_CFG.steps
+        _, summary = train_medusa(target, [corpus], run, MEDUSA_CFG, progress=False)
+        assert summary["steps"] == MEDUSA_CFG.steps
+        assert sorted(p.name for p in run.iterdir()) == files, (seed, temporaries(run))
+        got = torch.load(run / "medusa-ckpt.pt", weights_only=True)
+        assert got["step"] == want["step"] and torch.equal(got["vocab_ids"], want["vocab_ids"])
+        for k, v in want["heads"].items():
+            assert torch.equal(got["heads"][k], v), (seed, k)
+        for k, v in want["opt"]["state"].items():
+            for name, t in v.items():
+                assert torch.equal(got["opt"]["state"][k][name], t), (seed, k, name)
+        strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+        assert strip(got["history"]) == strip(want["history"]), seed
+    print(f"medusa: {interrupted} of {TRIALS} runs killed, {resumed} resumed from a checkpoint, {mid_write} mid-write")
+    assert interrupted >= TRIALS // 2 and resumed >= 3, (interrupted, resumed)
+
+
+CONT = ContinuationOptions(mode="sample", temperature=1.0, new_tokens=10, max_prompt_tokens=24, batch_size=2,
+                           chunk_size=2)
+
+
+def test_continuations_survive_kill_9(target, tmp_path):
+    """``python -m treespec.distill.continuations``: a killed run resumes chunk by chunk to the same chunk
+    files (bit-identical: each chunk is sampled from its own seeded generator) and manifest."""
+    def build(out: Path) -> dict:
+        return build_continuations(target, seqs(), out, CONT, eos={1}, model_name="tiny", progress=False)
+
+    ref = tmp_path / "ref"
+    build(ref)
+    wall = forked_wall(lambda: build(tmp_path / "timing"))
+    files = sorted(p.name for p in ref.iterdir())
+    assert len(files) >= 8, files
+    interrupted, partial, mid_write = 0, 0, 0
+    for seed in range(TRIALS):
+        out = tmp_path / f"trial-{seed}"
+        interrupted += killed_run(lambda: build(out), random.Random(seed).uniform(0, 1.1 * wall))
+        mid_write += bool(temporaries(out)) if out.exists() else 0
+        if (out / "manifest.json").exists() and not json.loads((out / "manifest.json").read_text())["complete"]:
+            partial += 1
+        build(out)
+        assert sorted(p.name for p in out.iterdir()) == files, (seed, sorted(set(files) ^ {p.name for p in out.iterdir()}))
+        assert _manifest(out) == _manifest(ref), seed
+        for name in files:
+            if name.startswith("chunk-"):
+                assert (out / name).read_bytes() == (ref / name).read_bytes(), (seed, name)
+    print(f"continuations: {interrupted} of {TRIALS} runs killed, {partial} partial, {mid_write} mid-write")
+    assert interrupted >= TRIALS // 2 and partial >= 3, (interrupted, partial)

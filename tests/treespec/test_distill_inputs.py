@@ -295,3 +295,62 @@ def test_one_eval_prompt_mixed_into_train_prompts_is_refused(tmp_path, eval_file
         check_not_eval(mixed)
     clean = write_prompts(tmp_path / "clean.jsonl", PROMPTS)
     assert check_not_eval(clean) == clean.resolve()
+
+
+# ---------------------------------------------------------------------- targets and caches
+def test_bad_target_is_one_line_and_status_2(model_dir, tmp_path, capsys):
+    """A missing --target directory is refused before anything is read; an existing folder that holds
+    no model ends in the loader's OSError / ValueError, also named on one line with status 2."""
+    paths = small_run(model_dir, tmp_path, "float32", capsys)
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    commands = {
+        "build-corpus": ["build-corpus", "--prompts", paths["prompts"], "--out", tmp_path / "c"],
+        "train": ["train", "--corpus", paths["corpus"], "--run-dir", tmp_path / "r", "--steps", 2],
+        "medusa": ["medusa", "--corpus", paths["corpus"], "--run-dir", tmp_path / "m", "--steps", 2],
+        "evaluate": ["evaluate", "--head", paths["head"], "--prompts", paths["prompts"], "--num-prompts", 1],
+    }
+    failures = []
+    for name, argv in commands.items():
+        for target, expected in ((tmp_path / "no-such-model", "no such model directory"), (empty, "error:")):
+            code, out, err = run_cli([*argv, "--target", target, "--no-progress"], capsys)
+            lines = err.strip().splitlines()
+            if code != 2 or len(lines) != 1 or expected not in err or "Traceback" in err:
+                failures.append(f"{name} --target {target.name}: status {code}, stderr {err[-300:]!r}")
+    assert not failures, "\n".join(failures)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists() and not (tmp_path / "m").exists()
+
+
+def test_read_only_corrupted_cache_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
+    """--target embedded over a corrupted cache that cannot be rebuilt: the loader's CacheError is
+    reported as one line, exit status 2 (a stub stands in for the Gemma conversion)."""
+    from treespec.models import loading
+
+    def stub(out_dir, progress):
+        for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+            (out_dir / name).write_bytes(b"{}")
+
+    root = tmp_path / "cache"
+    monkeypatch.setattr(loading, "_convert_embedded_gemma", stub)
+    cache = loading.embedded_gemma_dir(progress=False)
+    (cache / "model.safetensors").write_bytes(b"corrupt")
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    os.chmod(cache, 0o555)
+    os.chmod(root, 0o555)
+    try:
+        if os.access(root, os.W_OK):  # root ignores permission bits: make removal fail instead
+            def denied(path, *args, **kwargs):
+                raise PermissionError(13, "Permission denied", str(path))
+
+            monkeypatch.setattr(loading.shutil, "rmtree", denied)
+        code, out, err = run_cli(["build-corpus", "--prompts", prompts, "--out", tmp_path / "c", "--no-progress"],
+                                 capsys)
+    finally:
+        os.chmod(root, 0o755)
+        os.chmod(cache, 0o755)
+    assert code == 2, err
+    lines = err.strip().splitlines()  # the loader may first say it tries to rebuild
+    assert sum("error:" in line for line in lines) == 1 and lines[-1].startswith(
+        "python -m treespec.distill build-corpus: error: CacheError:"), err
+    assert "TREESPEC_CACHE" in lines[-1], err
+    assert "Traceback" not in err and out == ""

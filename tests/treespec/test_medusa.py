@@ -204,7 +204,7 @@ def test_training_improves_agreement_and_resumes(target, corpus, tmp_path):  # n
     h = target.config.hidden_size
     assert summary["steps"] == 100 and summary["trained_parameters"] == 2 * (h * h + h)
     assert (tmp_path / "run" / "summary.json").exists()
-    ckpt = torch.load(tmp_path / "run" / "medusa-ckpt.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "run" / "medusa-ckpt.pt", weights_only=True)
     losses = [h["loss"] for h in ckpt["history"]]
     assert losses[-1] < losses[0]
     fresh = new_medusa_heads(target, trained.vocab_ids, num_heads=2)

@@ -156,14 +156,31 @@ def _check_numbers(args) -> None:
         raise DistillInputError(f"--time-limit must be > 0 minutes, got {limit}")
 
 
+def _check_target(args) -> None:
+    """A ``--target`` written as a local path (``/``, ``.``, ``~``) must be an existing directory; anything
+    else is ``embedded`` or a hub id, left to the loader."""
+    target = getattr(args, "target", "embedded")
+    if target != "embedded" and target.startswith(("/", ".", "~")) and not Path(target).expanduser().is_dir():
+        raise DistillInputError(f"--target {target}: no such model directory")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run one distill command; bad input ends it with one line on stderr and exit status 2."""
+    """Run one distill command; bad input ends it with one line on stderr and exit status 2.
+
+    Expected failures are the library's named errors (:class:`DistillInputError`, the cache's
+    ``CacheError``, ``NonFiniteLogitsError``: all ``ValueError``) and ``OSError`` (missing or unreadable
+    files, a folder that holds no model, read-only output folders)."""
     args = build_parser().parse_args(argv)
     try:
         _check_numbers(args)
+        _check_target(args)
         _run(args)
     except DistillInputError as err:
         print(f"python -m treespec.distill {args.command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (ValueError, OSError) as err:
+        message = str(err).splitlines()[0] if str(err) else ""
+        print(f"python -m treespec.distill {args.command}: error: {type(err).__name__}: {message}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -36,7 +36,8 @@ class SubsetHead(nn.Module):
     def __init__(self, cfg, vocab_ids: torch.Tensor) -> None:
         super().__init__()
         self.cfg = cfg
-        ids = torch.as_tensor(vocab_ids, dtype=torch.long).flatten()
+        ids = torch.as_tensor(vocab_ids, dtype=torch.long,  # checked on its device (also under torch.device("meta"))
+                              device=vocab_ids.device if isinstance(vocab_ids, torch.Tensor) else "cpu").flatten()
         if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 \
                 or int(ids[-1]) >= cfg.target_vocab_size:
             raise ValueError("vocab_ids must be strictly increasing ids inside the target vocabulary")
