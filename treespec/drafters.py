@@ -49,11 +49,13 @@ def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int
 
 
 def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions()) -> ShapeDrafter:
-    """An EAGLE-style head (the shipped one when ``path`` is None) growing per-depth widths."""
+    """An EAGLE-style head (the shipped one when ``path`` is None) growing per-depth widths; the head
+    computes in the target's dtype (:meth:`~treespec.drafting.subset_head.SubsetHead.for_inference`)."""
     from .drafting.head import EagleHead
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
 
     head = load_default_head(target) if path is None else EagleHead.load(path, target)
+    head.for_inference(target.dtype)
     settings = DEFAULT_HEAD_SETTINGS if path is None else {"tree": (1, 1, 1, 1), "min_confidence": 0.0}
     confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
     return ShapeDrafter(head, TreeShape.widths(_widths(options.tree, settings["tree"])), options.law,

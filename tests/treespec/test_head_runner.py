@@ -5,7 +5,8 @@
    subset of 4 tokens so q = 0 on two tokens): the first three generated tokens follow the exact target
    law for DySpec trees without replacement and a Sequoia shape drawn i.i.d.; seeds 0..N-1, N = 400,
    G test with cells of expected count < 5 pooled, alpha = 1e-3. The twin (draft probabilities
-   replaced by a uniform q the children were not drawn from) must fail the same test. Power (stats_helpers): at N = 400, alpha = 1e-3, power 0.9 and df 10 it detects KL >= 0.044 nats,
+   replaced by a uniform q the children were not drawn from) must fail the same test; so must the twin
+   of the head in bf16 with packed weights (``SubsetHead.for_inference``, the CLI's drafting path). Power (stats_helpers): at N = 400, alpha = 1e-3, power 0.9 and df 10 it detects KL >= 0.044 nats,
    i.e. any total-variation shift >= 0.15.
 """
 
@@ -136,11 +137,21 @@ LAW_CASES = {
     "dyspec_wor": (lambda h: DySpecDrafter(h, 5, 3), "rrs_without_replacement"),
     "sequoia_iid": (lambda h: ShapeDrafter(h, TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), "iid"),
                     "rrs"),
+    # the CLI's inference path: the head in bf16 with oneDNN-packed weights drafting for an fp32 target
+    "head_bf16_packed_wor": (lambda h: ShapeDrafter(_bf16(h), TreeShape.widths((2, 2, 1)), "without_replacement"),
+                             "rrs_without_replacement"),
 }
 
 
+def _bf16(head):
+    """``head.for_inference(bf16)`` once (idempotent here: the same head serves every sample)."""
+    return head if head._rows_packed is not None or head.lm_rows.dtype == torch.bfloat16 \
+        else head.for_inference(torch.bfloat16)
+
+
 @pytest.mark.stats
-@pytest.mark.parametrize("case,broken", [(c, False) for c in sorted(LAW_CASES)] + [("dyspec_wor", True)])
+@pytest.mark.parametrize("case,broken", [(c, False) for c in sorted(LAW_CASES)]
+                         + [("dyspec_wor", True), ("head_bf16_packed_wor", True)])
 def test_output_law_at_t1_with_head_trees(tmp_path, case, broken):
     small, head = _small_head(tmp_path)
     make, verifier = LAW_CASES[case]
@@ -152,3 +163,34 @@ def test_output_law_at_t1_with_head_trees(tmp_path, case, broken):
         assert p_value < ALPHA, f"the broken twin passed (G-test p = {p_value:.2e})"
     else:
         assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
+
+
+def test_for_inference_packs_the_head_and_keeps_its_drafts(trained):  # noqa: F811
+    """``SubsetHead.for_inference``: float32 changes nothing (same logits bit for bit); bf16 packs every
+    bias-free linear layer and the subset rows (the packed product equals ``F.linear`` in bf16) and
+    drafts the same top-1 tokens as float32 along a sequence of the training prompts."""
+    import copy
+
+    from treespec.models.fast.packed import PackedLinear, prepack_default
+
+    _, head, _ = trained
+    x = torch.randn(3, head.cfg.hidden_size)
+    same = copy.deepcopy(head).for_inference(torch.float32)
+    assert torch.equal(same.logits(x), head.logits(x))
+    low = copy.deepcopy(head)
+    object.__setattr__(low, "_embed", head._embed)  # the target's embedding, by reference (not a submodule)
+    low.for_inference(torch.bfloat16)
+    if prepack_default(torch.bfloat16, "cpu"):
+        packed = [m for m in low.modules() if isinstance(m, PackedLinear)]
+        assert packed and not any(isinstance(m, torch.nn.Linear) for m in low.modules())
+        ref = torch.nn.functional.linear(x.bfloat16(), low.lm_rows).float()
+        got = low.logits(x)
+        cap = head.cfg.softcap
+        assert torch.equal(got, torch.tanh(ref / cap) * cap if cap else ref)
+    tokens = torch.tensor(prompts()[1][:16])
+    hidden = torch.randn(1, len(tokens), head.cfg.hidden_size)
+    pos = torch.arange(len(tokens))[None]
+    f32 = head.logits(head(hidden, tokens[None], pos))
+    b16 = low.logits(low(hidden, tokens[None], pos))
+    assert (f32.argmax(-1) == b16.argmax(-1)).float().mean() >= 0.9
+    assert head._embed.weight.dtype == torch.float32  # the target was not touched

@@ -160,3 +160,26 @@ def test_law_test_twin_detects_the_wrong_law():
     # SpecHub pairs against i.i.d. pairs
     hub = draw_children(torch.tensor([q], dtype=DT).expand(N, -1), 2, "spechub", g)
     assert _check("iid", q, 2, hub) < 1e-6
+
+
+def test_top_order_equals_the_stable_sort():
+    """Deterministic / greedy-draft children come from ``_top_order`` (one topk over an int64 key);
+    its reference is the full stable sort (ties by increasing id). 400 seeded cases with ties, -inf,
+    -0.0 next to +0.0, zero probabilities and every k from 0 to V."""
+    from treespec.drafting.laws import _descending_order, _top_order
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        v = int(torch.randint(2, 300, (1,), generator=g))
+        q = torch.randn(3, v, generator=g)
+        if trial % 3 == 0:
+            q = torch.round(q * 2) / 2  # many ties
+        if trial % 5 == 0:
+            q[:, ::7] = float("-inf")
+        if trial % 4 == 0:
+            q[:, ::5] = -0.0
+        if trial % 6 == 0:
+            q = torch.softmax(q, -1)
+            q[:, ::3] = 0.0
+        k = int(torch.randint(0, v + 1, (1,), generator=g))
+        assert torch.equal(_top_order(q, k), _descending_order(q)[:, :k]), (trial, k)

@@ -126,7 +126,7 @@ class EagleHead(SubsetHead):
 
     def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """fc(norm(h) ++ norm(emb(x))): ``[..., H]``."""
-        dtype = self.fc.weight.dtype
+        dtype = self.hidden_norm.weight.dtype  # the head's dtype (its linear layers may be packed)
         e = self.embed(tokens).to(dtype)
         return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
 

@@ -49,7 +49,7 @@ class HeadRunner:
             raise ValueError("attach the head to the target before drafting")
         self.head = head.eval()
         self.model = None  # no causal LM behind this runner
-        self.device = head.fc.weight.device
+        self.device = head.hidden_norm.weight.device
         self.vocab_size = head.cfg.target_vocab_size
         self.reset()
 

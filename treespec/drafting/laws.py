@@ -66,8 +66,24 @@ def _counts(num_children: int | torch.Tensor, m: int, device: torch.device,
 
 
 def _descending_order(q: torch.Tensor) -> torch.Tensor:
-    """Token ids of each row by decreasing q, ties by increasing id: ``[M, V]``."""
+    """Token ids of each row by decreasing q, ties by increasing id: ``[M, V]`` (the reference of
+    :func:`_top_order`)."""
     return torch.sort(q, dim=1, descending=True, stable=True).indices
+
+
+def _top_order(q: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ``k`` columns of :func:`_descending_order` (ties by increasing id) without sorting
+    the whole row: one ``topk`` over an int64 key that orders by value, then by id. ``q`` ``[M, V]``
+    float (no NaN; -inf allowed) -> ``[M, k]`` token ids. A full-vocabulary stable sort costs ~5 ms
+    per row at V = 262,144 on a CPU core; this is a few linear passes."""
+    m, v = q.shape
+    if k == 0:
+        return torch.zeros(m, 0, dtype=torch.long, device=q.device)
+    bits = (q.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 ties with +0.0, as in the sort
+    monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # IEEE order as integer order
+    ids = torch.arange(v, device=q.device)
+    key = (monotone << 32) | (v - 1 - ids)  # larger = higher value, then smaller id
+    return (v - 1) - (torch.topk(key, k, dim=1, sorted=True).values & 0xFFFFFFFF)
 
 
 def draw_children(draft_probs: torch.Tensor, num_children: int | torch.Tensor, law: str,
@@ -103,14 +119,13 @@ def draw_children(draft_probs: torch.Tensor, num_children: int | torch.Tensor, l
         keys, tokens = torch.topk(keys, k, dim=1, largest=False, sorted=True)
         valid = valid & torch.isfinite(keys)  # truncation at the support of q
     elif law == "deterministic":
-        tokens = _descending_order(q)[:, :k]
+        tokens = _top_order(q, k)  # [M, K]
     elif law == "greedy_draft":
-        order = _descending_order(q)  # [M, V]
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(v, device=device).expand(m, v))
+        order = _top_order(q, k)  # [M, K] the k best tokens, best first
         num_fixed = (counts - 1).clamp(min=0)[:, None]  # [M, 1]
-        fixed_mask = rank < num_fixed  # [M, V] the top n-1 tokens
+        fixed_mask = torch.zeros_like(q, dtype=torch.bool).scatter_(1, order, cols[None, :] < num_fixed)  # [M, V]
         last = torch.multinomial(restricted_draft(q, fixed_mask), 1, generator=generator)  # [M, 1]
-        tokens = torch.where(cols[None, :] == num_fixed, last, order[:, :k])
+        tokens = torch.where(cols[None, :] == num_fixed, last, order)
     else:  # spechub
         if k > 2:
             raise ValueError(f"law 'spechub' draws at most 2 children per node, got {k}")

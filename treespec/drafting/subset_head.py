@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..models.fast.packed import pack_linears, pack_weight, packed_linear, prepack_default
 from .weights_file import build_checked, read_weights, write_weights
 
 
@@ -43,6 +44,7 @@ class SubsetHead(nn.Module):
             raise ValueError("vocab_ids must be strictly increasing ids inside the target vocabulary")
         self.register_buffer("vocab_ids", ids, persistent=False)
         self.register_buffer("lm_rows", torch.empty(0), persistent=False)  # W[S] [|S|, H], frozen copy
+        self._rows_packed: torch.Tensor | None = None  # W[S] in oneDNN's layout (for_inference in bf16)
 
     # ------------------------------------------------------------------ target coupling
     @property
@@ -65,13 +67,35 @@ class SubsetHead(nn.Module):
         """Take what else the head reads from the target (nothing by default)."""
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """Features ``[..., H]`` -> float32 logits over the subset ``[..., |S|]``."""
+        """Features ``[..., H]`` -> float32 logits over the subset ``[..., |S|]`` (the product in the
+        rows' dtype: float32 unless :meth:`for_inference` chose another)."""
         if not self.attached:
             raise RuntimeError("attach the head to its target first")
-        logits = feature.float() @ self.lm_rows.t()
+        if self._rows_packed is not None:
+            logits = packed_linear(feature.to(self.lm_rows.dtype), self._rows_packed).float()
+        else:
+            logits = (feature.to(self.lm_rows.dtype) @ self.lm_rows.t()).float()
         if self.cfg.softcap:
             logits = torch.tanh(logits / self.cfg.softcap) * self.cfg.softcap
         return logits
+
+    def for_inference(self, dtype: torch.dtype) -> "SubsetHead":
+        """This (attached) head, for drafting only, computing in ``dtype``; returns ``self``.
+
+        The trained weights and the subset's LM-head rows are cast to ``dtype``; in bf16 on a CPU with
+        oneDNN every linear layer and the rows are also packed once into oneDNN's layout
+        (:mod:`treespec.models.fast.packed`), which makes a one-row head step several times cheaper
+        than float32 or a plain bf16 product (``benchmarks/results/profile``). The head then no longer
+        trains (packed weights have no gradient). Verification stays lossless: the draft's q is
+        whatever this head computes, and the verifier is handed exactly that q.
+        """
+        if not self.attached:
+            raise RuntimeError("attach the head to its target first")
+        self.to(dtype)
+        if prepack_default(dtype, self.lm_rows.device):
+            pack_linears(self)
+            self._rows_packed = pack_weight(self.lm_rows)
+        return self.eval()
 
     # ------------------------------------------------------------------ drafting
     def as_runner(self):

@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from ...sampling import check_finite
 from ...tree import TokenTree
 from ..runner import ModelRunner, finish_forward, forward_inputs, visible_keys
+from .packed import pack_weight, packed_linear, prepack_default
 from .static_cache import StaticKVCache
 
 
@@ -65,21 +66,6 @@ def fast_supported(model) -> str | None:
     if set(cfg.layer_types) - {"full_attention", "sliding_attention"}:
         return "unknown attention layer types"
     return None
-
-
-def prepack_default(dtype: torch.dtype, device: torch.device) -> bool:
-    """Prepack weights (oneDNN's blocked layout) by default for bf16 on a CPU with oneDNN: the same
-    results bit for bit (tested), without the per-call weight reorder that makes a plain bf16
-    ``F.linear`` cost several times the weight-streaming time."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-
-
-def _packed(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
-
-
-def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 def _rms(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,7 +115,7 @@ class FastGemmaRunner(ModelRunner):
         self.embed_scale = base.embed_tokens.embed_scale.to(self.embed.dtype)
         self.lm_head = model.lm_head.weight
         self.prepacked = self._prepack if self._prepack is not None else prepack_default(self.dtype, self.device)
-        lin = _packed if self.prepacked else (lambda w: w)
+        lin = pack_weight if self.prepacked else (lambda w: w)
         self.lm_head_packed = lin(self.lm_head)
 
         def one_plus(norm) -> torch.Tensor:
@@ -233,7 +219,7 @@ class FastGemmaRunner(ModelRunner):
         q = ids.numel()
         heads, kvh, dim, g, eps = self.num_heads, self.kv_heads, self.head_dim, self.groups, self.eps
         rope = self._rope(q_pos)
-        linear = _packed_linear if self.prepacked else F.linear
+        linear = packed_linear if self.prepacked else F.linear
         K, V = self.kv.k, self.kv.v
         h = F.embedding(ids, self.embed) * self.embed_scale  # [Q, H]
         for i, (sliding, n_in, wq, wk, wv, n_q, n_k, wo, n_post, n_pre, wg, wu, wd, act, n_ff) in enumerate(self.layers):
@@ -259,7 +245,7 @@ class FastGemmaRunner(ModelRunner):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head, float32, final soft-capping in place (the same values as :meth:`ModelRunner.logits`)."""
-        raw = _packed_linear(hidden, self.lm_head_packed) if self.prepacked else F.linear(hidden, self.lm_head)
+        raw = packed_linear(hidden, self.lm_head_packed) if self.prepacked else F.linear(hidden, self.lm_head)
         if not self.softcap:  # the check reads the model-dtype logits (half the bytes; same verdict)
             check_finite(raw, type(self.model).__name__)
         logits = raw.float()
