@@ -5,6 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The quick brown fox jumps over the lazy dog. The quick brown fox
 ARGS ?= --max-new-tokens 128
+# the demo shows treespec's own draft: n-gram lookup where the text repeats, the shipped head elsewhere
+# (`--draft auto`, the CLI's default, is lookup alone: the best measured drafter, see the README)
+DRAFT ?= lookup+head
 
 .PHONY: setup demo test test-fast bench clean
 
@@ -18,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/treespec generate "$(PROMPT)" $(ARGS)
+	$(BIN)/treespec generate "$(PROMPT)" --draft $(DRAFT) $(ARGS)
 
 test: setup
 	$(BIN)/lint-imports
