@@ -14,7 +14,6 @@ with per-corpus weights; checkpoints are written atomically and a run resumes wh
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,9 +21,12 @@ from pathlib import Path
 import torch
 
 from ..drafting.medusa import MedusaHeads, new_medusa_heads
-from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
+from ..files import atomic_write_json
 from .corpus import load_manifest
-from .inputs import DistillInputError, load_checkpoint
+from .inputs import DistillInputError
+from .loop import LoopConfig, open_run, run_loop
+
+CKPT_NAME = "medusa-ckpt.pt"  # one checkpoint, rewritten in place
 
 
 @dataclass(frozen=True)
@@ -118,13 +120,6 @@ def medusa_losses(heads: MedusaHeads, batch: dict, cfg: MedusaTrainConfig, sub_i
     return {"total": total, "soft": per_head_soft.detach(), "hard": per_head_hard.detach(), "agree": agree}
 
 
-def _lr(step: int, cfg: MedusaTrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-
-
 def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: MedusaTrainConfig = MedusaTrainConfig(),
                  *, corpus_weights: list[float] | None = None, vocab_ids: torch.Tensor | None = None,
                  progress: bool = True) -> tuple[MedusaHeads, dict]:
@@ -134,12 +129,8 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
     ``cfg.vocab_size`` most frequent tokens of the corpora."""
     from .train import choose_vocab
 
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(run_dir)
-    ckpt_path = run_dir / "medusa-ckpt.pt"
-    if ckpt_path.exists():
-        ckpt = load_checkpoint(ckpt_path)
+    run_dir, ckpt_path, ckpt = open_run(run_dir, CKPT_NAME)
+    if ckpt is not None:
         if not isinstance(ckpt.get("config"), dict) or "vocab_ids" not in ckpt:
             raise DistillInputError(f"checkpoint {ckpt_path}: not a Medusa training checkpoint")
         same = {k: v for k, v in ckpt["config"].items() if k != "time_limit_s"}
@@ -151,35 +142,20 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
     heads = new_medusa_heads(target, vocab_ids, num_heads=cfg.num_heads, num_layers=cfg.num_layers)
     heads.train()
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, history, seconds = 0, [], 0.0
-    if ckpt_path.exists():
-        heads.load_state_dict(ckpt["heads"])
-        opt.load_state_dict(ckpt["opt"])
-        step, history, seconds = ckpt["step"], ckpt["history"], ckpt["seconds"]
+    history, start_seconds = (ckpt["history"], ckpt["seconds"]) if ckpt is not None else ([], 0.0)
+    seconds = start_seconds
     sub_index = torch.full((heads.cfg.target_vocab_size,), -1, dtype=torch.long)
     sub_index[heads.vocab_ids] = torch.arange(heads.vocab_ids.numel())
     pool = PositionPool(corpora, corpus_weights)
+    loop = LoopConfig(steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, floor=0.0, clip=cfg.grad_clip,
+                      ckpt_every=cfg.ckpt_every, time_limit_s=cfg.time_limit_s)
 
-    def save_ckpt() -> None:
-        state = {"config": asdict(cfg), "vocab_ids": heads.vocab_ids, "heads": heads.state_dict(),
-                 "opt": opt.state_dict(), "step": step, "history": history, "seconds": seconds}
-        atomic_write(ckpt_path, lambda tmp: torch.save(state, tmp))
+    def step_fn(step: int) -> dict:
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # positions: a function of the step
+        return medusa_losses(heads, pool.batch(cfg.batch_size, cfg.num_heads, g), cfg, sub_index)
 
-    t0 = time.perf_counter()
-    start_seconds = seconds
-    while step < cfg.steps:
-        if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
-            break
-        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        with torch.enable_grad():  # also when the caller runs under no_grad
-            losses = medusa_losses(heads, pool.batch(cfg.batch_size, cfg.num_heads, g), cfg, sub_index)
-            for group in opt.param_groups:
-                group["lr"] = _lr(step, cfg)
-            opt.zero_grad(set_to_none=True)
-            losses["total"].backward()
-        torch.nn.utils.clip_grad_norm_(heads.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
+    def on_step(step: int, losses: dict) -> None:
+        nonlocal seconds
         seconds = start_seconds + time.perf_counter() - t0
         if step % 10 == 0 or step == cfg.steps:
             history.append({"step": step, "loss": float(losses["total"].detach()), "agree": losses["agree"].tolist(),
@@ -187,9 +163,13 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
             if progress:
                 print(f"step {step}: loss {float(losses['total'].detach()):.3f} top-1 agreement per head "
                       + " ".join(f"{a:.3f}" for a in losses["agree"].tolist()), flush=True)
-        if step % cfg.ckpt_every == 0:
-            save_ckpt()
-    save_ckpt()
+
+    def extra() -> dict:
+        return {"config": asdict(cfg), "vocab_ids": heads.vocab_ids, "history": history, "seconds": seconds}
+
+    t0 = time.perf_counter()
+    step = run_loop(loop, heads, opt, step_fn, run_dir=run_dir, name=CKPT_NAME, keys=("heads", "opt"), state=ckpt,
+                    extra=extra, on_step=on_step)
     heads.eval()
     summary = {"steps": step, "of": cfg.steps, "seconds": round(seconds, 1), "positions": pool.num_positions,
                "corpora": [str(c) for c in corpora], "corpus_weights": corpus_weights,

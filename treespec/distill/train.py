@@ -27,9 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from ..drafting.head import EagleHead, HeadConfig, new_head
-from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
+from ..files import atomic_write_json, remove_stale_temporaries
 from .corpus import load_manifest
 from .inputs import DistillInputError, load_checkpoint, read_head_file, require_dir
+from .loop import LoopConfig, latest_checkpoint, open_run, run_loop
+
+CKPT_NAME = "ckpt-{step}.pt"  # the newest ``keep_ckpts`` are kept
 
 
 def distill_root() -> Path:
@@ -219,13 +222,6 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     return losses
 
 
-def _lr(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = min((step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1), 1.0)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
 def _head_from_checkpoint(state: dict, path: Path) -> EagleHead:
     try:
         head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
@@ -234,12 +230,6 @@ def _head_from_checkpoint(state: dict, path: Path) -> EagleHead:
         raise DistillInputError(f"checkpoint {path}: not a head training checkpoint ({type(err).__name__}: "
                                 f"{str(err).splitlines()[0][:200]})") from None
     return head
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    run_dir = Path(run_dir)
-    ckpts = sorted(run_dir.glob("ckpt-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    return ckpts[-1] if ckpts else None
 
 
 def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
@@ -256,9 +246,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     from tqdm import tqdm
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(run_dir)
+    run_dir, ckpt_path, state = open_run(run_dir, CKPT_NAME)
     target = target.to(device)
     vocab = target.get_output_embeddings().weight.shape[0]
     dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
@@ -267,10 +255,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
         if man["vocab_size"] != vocab or man["hidden_size"] != target.get_input_embeddings().weight.shape[1]:
             raise DistillInputError(f"corpus {d}: built with another target (vocabulary / hidden size differ)")
     man = {"positions": sum(m["positions"] for m in mans)}
-    ckpt_path = latest_checkpoint(run_dir)
-    state = None
-    if ckpt_path is not None:
-        state = load_checkpoint(ckpt_path)
+    if state is not None:
         head = _head_from_checkpoint(state, ckpt_path)
         head.attach(target)
         log(f"resuming from {ckpt_path} (step {state['step']})")
@@ -293,54 +278,39 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
             head.out_norm.weight.copy_(h.pow(2).mean(0).sqrt().to(device))
     sub_index = torch.full((vocab,), -1, dtype=torch.long, device=device)
     sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel(), device=device)
-    torch.manual_seed(cfg.seed)
-    if state is not None and "rng" in state:
-        torch.set_rng_state(state["rng"])  # feature noise continues the uninterrupted stream
+    torch.manual_seed(cfg.seed)  # feature noise; a resumed run continues the checkpoint's RNG state
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step = 0
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]
     autocast, precision = autocast_for(device, cfg.amp)
     log(f"head: {head.num_trained_parameters / 1e6:.2f}M trained parameters, vocabulary subset "
         f"{head.vocab_ids.numel()}, {precision}, device {device}, corpus {man['positions']} positions")
-
-    def save_ckpt() -> Path:
-        path = run_dir / f"ckpt-{step}.pt"
-        state = {"step": step, "head": head.state_dict(), "vocab_ids": head.vocab_ids.cpu(),
-                 "head_config": asdict(head.cfg), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
-                 "train_config": asdict(cfg), "corpus": [str(d) for d in dirs]}
-        atomic_write(path, lambda tmp: torch.save(state, tmp))
-        for old in sorted(run_dir.glob("ckpt-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-cfg.keep_ckpts]:
-            old.unlink(missing_ok=True)
-        return path
-
+    loop = LoopConfig(steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, floor=0.1, clip=cfg.grad_clip,
+                      ckpt_every=cfg.ckpt_every, keep=cfg.keep_ckpts, time_limit_s=cfg.time_limit_s)
     head.train()
     t0, positions, ema = time.perf_counter(), 0, {}
-    bar = tqdm(total=cfg.steps, initial=step, unit="step", desc="train", disable=not progress)
-    while step < cfg.steps:
-        if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
-            break
+    bar = tqdm(total=cfg.steps, initial=state["step"] if state else 0, unit="step", desc="train",
+               disable=not progress)
+
+    def step_fn(step: int) -> dict:
+        nonlocal positions
         batch = sampler.batch(step)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg)
-        losses = compute_losses(head, batch, cfg, sub_index, autocast)
-        opt.zero_grad(set_to_none=True)
-        losses["total"].backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
         positions += int(batch["mask"].sum())
+        return compute_losses(head, batch, cfg, sub_index, autocast)
+
+    def on_step(step: int, losses: dict) -> None:
         for k in ("total", "soft", "feat", "agree"):
             v = float(losses[k].detach())
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         bar.update(1)
         bar.set_postfix(loss=f"{ema['total']:.3f}", soft=f"{ema['soft']:.3f}", feat=f"{ema['feat']:.3f}",
                         agree=f"{ema['agree']:.3f}", pos_s=f"{positions / (time.perf_counter() - t0):.0f}")
-        if step % cfg.ckpt_every == 0:
-            save_ckpt()
+
+    def extra() -> dict:
+        return {"vocab_ids": head.vocab_ids.cpu(), "head_config": asdict(head.cfg), "train_config": asdict(cfg),
+                "corpus": [str(d) for d in dirs]}
+
+    step = run_loop(loop, head, opt, step_fn, run_dir=run_dir, name=CKPT_NAME, keys=("head", "optimizer"),
+                    state=state, extra=extra, on_step=on_step)
     bar.close()
-    save_ckpt()
     head.eval()
     elapsed = time.perf_counter() - t0
     summary = {"step": step, "positions_this_run": positions, "seconds_this_run": elapsed,
@@ -353,7 +323,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype = torch.float16) -> dict:
     """Write the newest checkpoint of ``run_dir`` as a head file (no target needed); returns its summary."""
-    ckpt = latest_checkpoint(require_dir(run_dir, "run directory"))
+    ckpt = latest_checkpoint(require_dir(run_dir, "run directory"), CKPT_NAME)
     if ckpt is None:
         raise DistillInputError(f"run directory {run_dir}: no checkpoint (ckpt-N.pt) to export")
     remove_stale_temporaries(Path(out).parent)

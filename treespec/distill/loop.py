@@ -1,0 +1,122 @@
+"""The one training loop of the distillation trainers (:mod:`.train`'s head, :mod:`.medusa`'s heads).
+
+:func:`run_loop` drives ``step_fn(step) -> losses`` (a dict holding the ``"total"`` to minimise)
+with AdamW-style optimizer steps under :func:`cosine_lr` (linear warmup, cosine decay to ``floor``
+times the peak), gradient clipping, a wall-clock time limit, and checkpoints written atomically
+every ``ckpt_every`` steps and at the end. A checkpoint holds the model, the optimizer, the step,
+torch's global RNG state and whatever the trainer adds (``extra``); resuming from it (see
+:func:`open_run`) continues the run exactly: data order must be a pure function of the step, which
+both trainers guarantee. Checkpoints are named by a pattern: with ``{step}`` (``ckpt-{step}.pt``)
+the newest ``keep`` are kept; without, one file is rewritten in place. They are loaded only through
+:func:`.inputs.load_checkpoint` (``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..files import atomic_write, remove_stale_temporaries
+from .inputs import load_checkpoint
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int
+    lr: float
+    warmup: int = 0
+    floor: float = 0.0  # final learning rate as a fraction of ``lr``
+    clip: float = 1.0  # max gradient norm
+    ckpt_every: int = 100
+    keep: int = 1  # checkpoints kept (numbered names only)
+    time_limit_s: float | None = None
+
+
+def cosine_lr(step: int, warmup: int, steps: int, floor: float) -> float:
+    """Learning-rate factor at ``step``: linear warmup to 1 over ``warmup`` steps, then cosine decay to
+    ``floor`` at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min((step - warmup) / max(steps - warmup, 1), 1.0)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def checkpoints(run_dir: str | Path, name: str) -> list[Path]:
+    """The checkpoints named ``name`` in ``run_dir``, oldest first (``{step}`` in ``name`` numbers them)."""
+    run_dir = Path(run_dir)
+    if "{step}" not in name:
+        return [run_dir / name] if (run_dir / name).is_file() else []
+    head, tail = name.split("{step}")
+    found = []
+    for path in run_dir.glob(f"{head}*{tail}"):
+        mid = path.name[len(head):len(path.name) - len(tail)]
+        if mid.isdigit():
+            found.append((int(mid), path))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path, name: str = "ckpt-{step}.pt") -> Path | None:
+    found = checkpoints(run_dir, name)
+    return found[-1] if found else None
+
+
+def open_run(run_dir: str | Path, name: str) -> tuple[Path, Path | None, dict | None]:
+    """Create ``run_dir``, remove what killed writers left there; (run_dir, newest checkpoint, its state)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
+    path = latest_checkpoint(run_dir, name)
+    return run_dir, path, (load_checkpoint(path) if path is not None else None)
+
+
+def run_loop(cfg: LoopConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
+             step_fn: Callable[[int], dict], *, run_dir: str | Path, name: str = "ckpt-{step}.pt",
+             keys: tuple[str, str] = ("model", "optimizer"), state: dict | None = None,
+             extra: Callable[[], dict] = dict, on_step: Callable[[int, dict], None] | None = None) -> int:
+    """Train ``model`` from ``state`` (a checkpoint of this loop, or None) up to ``cfg.steps``; returns the step.
+
+    ``keys``: the checkpoint's entries for the model and optimizer state dicts. ``on_step(step, losses)``
+    runs after each optimizer step (``step`` counts the steps done), before that step's checkpoint;
+    ``extra()`` adds entries to every checkpoint."""
+    run_dir = Path(run_dir)
+    model_key, opt_key = keys
+    step = 0
+    if state is not None:
+        model.load_state_dict(state[model_key])
+        opt.load_state_dict(state[opt_key])
+        step = state["step"]
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])  # random draws continue the uninterrupted stream
+
+    def save() -> None:
+        ckpt = {"step": step, model_key: model.state_dict(), opt_key: opt.state_dict(),
+                "rng": torch.get_rng_state(), **extra()}
+        atomic_write(run_dir / name.format(step=step), lambda tmp: torch.save(ckpt, tmp))
+        if "{step}" in name:
+            for old in checkpoints(run_dir, name)[:-cfg.keep]:
+                old.unlink(missing_ok=True)
+
+    t0 = time.perf_counter()
+    while step < cfg.steps:
+        if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
+            break
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * cosine_lr(step, cfg.warmup, cfg.steps, cfg.floor)
+        opt.zero_grad(set_to_none=True)
+        with torch.enable_grad():  # also when the caller runs under no_grad
+            losses = step_fn(step)
+            losses["total"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        step += 1
+        if on_step is not None:
+            on_step(step, losses)
+        if step % cfg.ckpt_every == 0:
+            save()
+    save()
+    return step
