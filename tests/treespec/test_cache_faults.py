@@ -17,6 +17,8 @@ import pytest
 
 from treespec.models import loading
 
+from cache_helpers import read_only_corrupted_cache
+
 LOCK = ".gemma-3-270m.lock"
 FINAL = f"gemma-3-270m-v{loading._CACHE_FORMAT}"
 STUB_FILES = {"model.safetensors": b"W" * 300_000, "config.json": b'{"a": 1}',
@@ -120,23 +122,11 @@ def test_existing_lock_file_is_not_truncated(root):
 
 # ------------------------------------------------------------------ 4. read-only / corrupted cache
 def test_read_only_corrupted_cache_gives_a_clear_error(root, monkeypatch):
-    cache = loading.embedded_gemma_dir(progress=False)
-    (cache / "model.safetensors").write_bytes(b"corrupt")
-    os.chmod(cache, 0o555)
-    os.chmod(root, 0o555)
-    try:
-        if os.access(root, os.W_OK):  # root ignores permission bits: make removal fail instead
-            def denied(path, *args, **kwargs):
-                raise PermissionError(13, "Permission denied", str(path))
-
-            monkeypatch.setattr(loading.shutil, "rmtree", denied)
+    with read_only_corrupted_cache(root, monkeypatch):
         with pytest.raises(ValueError, match="TREESPEC_CACHE") as info:
             loading.embedded_gemma_dir(progress=False)
         assert isinstance(info.value, loading.CacheError)
         assert str(root) in str(info.value)
-    finally:
-        os.chmod(root, 0o755)
-        os.chmod(cache, 0o755)
 
 
 # ------------------------------------------------------------------ 5. kill -9 at random points

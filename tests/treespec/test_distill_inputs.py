@@ -25,6 +25,8 @@ from treespec.distill.cli import main
 from treespec.distill.corpus import check_not_eval, shared_dir
 from treespec.distill.inputs import DistillInputError, UnsafeCheckpointError
 
+from cache_helpers import read_only_corrupted_cache
+
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
            "Translate to French: good morning", "What is 12 times 7? Think step by step.",
            "Once upon a time there was a small robot.", "List three prime numbers and explain why."]
@@ -332,22 +334,10 @@ def test_read_only_corrupted_cache_is_one_line_and_status_2(tmp_path, monkeypatc
 
     root = tmp_path / "cache"
     monkeypatch.setattr(loading, "_convert_embedded_gemma", stub)
-    cache = loading.embedded_gemma_dir(progress=False)
-    (cache / "model.safetensors").write_bytes(b"corrupt")
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
-    os.chmod(cache, 0o555)
-    os.chmod(root, 0o555)
-    try:
-        if os.access(root, os.W_OK):  # root ignores permission bits: make removal fail instead
-            def denied(path, *args, **kwargs):
-                raise PermissionError(13, "Permission denied", str(path))
-
-            monkeypatch.setattr(loading.shutil, "rmtree", denied)
+    with read_only_corrupted_cache(root, monkeypatch):
         code, out, err = run_cli(["build-corpus", "--prompts", prompts, "--out", tmp_path / "c", "--no-progress"],
                                  capsys)
-    finally:
-        os.chmod(root, 0o755)
-        os.chmod(cache, 0o755)
     assert code == 2, err
     lines = err.strip().splitlines()  # the loader may first say it tries to rebuild
     assert sum("error:" in line for line in lines) == 1 and lines[-1].startswith(
