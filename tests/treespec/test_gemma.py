@@ -101,14 +101,16 @@ def test_cache_after_speculation_equals_fresh_prefill(gemma):
         max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)).token_ids
 
 
-def test_cli_json_speculative_equals_plain(capsys, gemma):
+@pytest.mark.parametrize("draft, method", [([], "NgramDrafter"),  # the default (--draft auto)
+                                           (["--draft", "lookup+head"], "FirstOf(NgramDrafter, ShapeDrafter)")])
+def test_cli_json_speculative_equals_plain(capsys, gemma, draft, method):
     args = ["generate", "Once upon a time, there was a little", "--max-new-tokens", "24", "--dtype", "float32",
             "--json", "--no-stop"]
-    assert cli_main(args) == 0
+    assert cli_main(args + draft) == 0
     spec = json.loads(capsys.readouterr().out)
     assert cli_main(args + ["--plain"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
-    assert spec["statistics"]["method"] == "FirstOf(NgramDrafter, ShapeDrafter)" and plain["statistics"]["method"] == "plain"
+    assert spec["statistics"]["method"] == method and plain["statistics"]["method"] == "plain"
     assert plain["statistics"]["tau"] == 1.0
     assert isinstance(spec["text"], str) and spec["text"]
