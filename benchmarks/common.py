@@ -150,9 +150,17 @@ def machine_info() -> dict:
     return info
 
 
+def _repo_relative(path: str, repo: Path = REPO) -> str:
+    """``path`` relative to the repository when it lies inside it (results carry no machine's folders)."""
+    try:
+        return str(Path(os.path.abspath(path)).relative_to(repo.resolve())) or "."
+    except ValueError:
+        return path
+
+
 def command() -> dict:
     return {"argv": list(sys.argv), "shell": " ".join(shlex.quote(a) for a in sys.argv),
-            "python": sys.executable, "cwd": os.getcwd(),
+            "python": _repo_relative(sys.executable), "cwd": _repo_relative(os.getcwd()),
             "env": {k: os.environ[k] for k in SPEED_ENV if k in os.environ}}
 
 
