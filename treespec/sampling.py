@@ -73,8 +73,9 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     if config.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    check_finite(logits, "a model (target or draft)")  # else NaN reaches torch.multinomial as a raw error
-    logits = logits / config.temperature
+    check_finite(logits, "a model (target or draft)")  # NaN would reach the draws as garbage ids
+    if config.temperature != 1.0:
+        logits = logits / config.temperature
     vocab = logits.shape[-1]
     if 0 < config.top_k < vocab:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
@@ -90,3 +91,58 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def row_mass(x: torch.Tensor, block: int = 512) -> torch.Tensor:
+    """Row sums of ``x`` ``[M, V]`` as float64 ``[M, 1]``: float32 sums over blocks of ``block``
+    entries, then a float64 sum of the blocks (close to a float64 sum, without casting every entry)."""
+    m, v = x.shape
+    pad = (-v) % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(m, -1, block).sum(-1).double().sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None, num_draws: int = 1,
+         block: int = 512) -> torch.Tensor:
+    """Exact draws with replacement from each row of ``probs``: ``[..., V]`` -> ``[..., num_draws]``.
+
+    Inverse-CDF sampling in two stages, so that no row needs a cumulative sum over all ``V``
+    entries: a first uniform picks a block of ``block`` tokens with probability (block mass) /
+    (row mass), from float64 cumulative sums of the block masses; a second uniform picks a token
+    inside the block with probability p_i / (block mass), from a float64 cumulative sum of that
+    block alone. Token ``i`` is thus drawn with probability p_i / sum(p) up to float64 rounding
+    (block masses are float32 sums of their entries, relative error about 1e-7, the order of the
+    rounding of ``probs`` itself; every later sum is float64), and a zero-probability token never.
+
+    Rows need not be normalised but must have positive, finite mass (not checked here: that would
+    cost a host sync; :func:`logits_to_probs` and the verification rules guarantee it). Costs two
+    uniforms per draw and one read of ``probs``; on a CPU with a 262,144-token vocabulary it is
+    several times faster than ``torch.multinomial`` (which draws V exponentials per row).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> draw(torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]), g, num_draws=4)[0].tolist()
+    [1, 1, 1, 1]
+    """
+    if num_draws < 1:
+        raise ValueError(f"num_draws must be >= 1, got {num_draws}")
+    lead, v = probs.shape[:-1], probs.shape[-1]
+    flat = probs.reshape(-1, v)  # [R, V]
+    rows = flat.shape[0]
+    pad = (-v) % block
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    blocks = flat.view(rows, -1, block)  # [R, nb, block]
+    cdf = blocks.sum(-1).double().cumsum(-1)  # [R, nb] (a float64 sum would cast every entry first)
+    total = cdf[:, -1:]  # [R, 1]
+    zero = torch.zeros((), dtype=torch.float64, device=probs.device)
+    u = torch.rand(rows, num_draws, generator=generator, dtype=torch.float64, device=probs.device) * total
+    # u < total strictly (rounding of u * total could reach it): the block found has positive mass
+    u = torch.minimum(u, torch.nextafter(total, zero))
+    kb = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # [R, n]
+    inner = blocks.gather(1, kb[:, :, None].expand(rows, num_draws, block)).double().cumsum(-1)  # [R, n, block]
+    mass = inner[..., -1:]  # [R, n, 1]
+    u2 = torch.rand(rows, num_draws, 1, generator=generator, dtype=torch.float64, device=probs.device) * mass
+    u2 = torch.minimum(u2, torch.nextafter(mass, zero))
+    tokens = kb * block + torch.searchsorted(inner, u2, right=True).squeeze(-1)  # [R, n]
+    return tokens.reshape(*lead, num_draws)

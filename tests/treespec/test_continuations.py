@@ -2,12 +2,7 @@
 
 - Batched greedy continuations equal one-prompt-at-a-time greedy decoding (left padding, position
   ids and the sliding window handled), for Llama and Gemma-3 (window crossed).
-- ``draw_from_logits`` samples softmax(logits) exactly: a G test (seed 0, N = 200,000 draws over a
-  300-token vocabulary with blocks of 16, alpha = 1e-3; cells expected < 5 pooled) passes, and the
-  same test fails for a broken twin that
-  samples at a wrong temperature (logits / 0.9, total variation ~0.03). Power (stats_helpers): at
-  N = 200,000, alpha = 1e-3, power 0.9 and df <= 299 the test detects KL >= 3.1e-4 nats, i.e. any
-  total-variation shift >= 0.0125.
+- Sampled continuations draw with :func:`treespec.sampling.draw` (its exactness: test_sampling.py).
 - Chunked building resumes to the same files as an uninterrupted build, refuses a changed recipe,
   and removes temporaries left by a killed writer.
 """
@@ -16,16 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-
 import pytest
 import torch
-from stats_helpers import g_test
 
 from treespec.distill.continuations import (
     ContinuationOptions,
     build_continuations,
     continue_batch,
-    draw_from_logits,
     read_continuations,
 )
 from treespec.models.tiny import tiny_model
@@ -53,35 +45,6 @@ def test_batched_greedy_equals_one_prompt_at_a_time(arch):
     opts = ContinuationOptions(mode="greedy", new_tokens=12, batch_size=4, chunk_size=4)
     got = continue_batch(model, prompts, opts, EOS)
     assert got == [_plain_greedy(model, p, 12) for p in prompts]
-
-
-N, V, ALPHA = 200_000, 300, 1e-3
-
-
-def _draw_counts(draw) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, V, generator=g) * 2.0
-    logits[0, 5] = -float("inf")  # a zero-probability token must never be drawn
-    probs = torch.softmax(logits, -1)[0]
-    counts = torch.zeros(V, dtype=torch.long)
-    for _ in range(N // 50_000):
-        counts += torch.bincount(draw(logits.expand(50_000, V).contiguous(), g), minlength=V)
-    return counts, probs
-
-
-@pytest.mark.stats
-def test_draw_from_logits_is_exact():
-    counts, probs = _draw_counts(lambda lg, g: draw_from_logits(lg, g, block=16))
-    assert int(counts[5]) == 0
-    assert int(counts.sum()) == N
-    assert g_test(counts.numpy(), probs.double().numpy()) > ALPHA
-
-
-@pytest.mark.stats
-def test_draw_g_test_catches_a_broken_twin():
-    # a sampler that forgets the temperature (draws from softmax(logits / 0.9)): TV about 0.03
-    counts, probs = _draw_counts(lambda lg, g: draw_from_logits(lg / 0.9, g, block=16))
-    assert g_test(counts.numpy(), probs.double().numpy()) < ALPHA
 
 
 def test_chunked_build_resumes_to_the_same_files(tmp_path, monkeypatch):

@@ -256,6 +256,28 @@ def test_greedy_with_deterministic_candidates_is_exact():
     assert float((mix - targets).abs().max()) < 1e-9
 
 
+def test_deterministic_rule_with_repeated_and_invalid_candidates():
+    # a candidate offered twice is accepted at most once (r(x) = 0 after its rejection); invalid
+    # slots are skipped: the output law stays p exactly, and the choice matches a loop over ranks
+    rng = np.random.default_rng(7)
+    for xs, valid in [((2, 2, 0), (1, 1, 1)), ((1, 3, 1, 3), (1, 1, 1, 1)), ((0, 4, 0), (1, 0, 1)),
+                      ((3, 3), (1, 1)), ((4, 0, 4), (0, 1, 1)), ((1, 0, 2, 3, 4), (1, 1, 1, 1, 1))]:
+        p = torch.tensor(rng.dirichlet(np.ones(5) * 0.7), dtype=DT)[None]
+        tokens, ok = torch.tensor([xs]), torch.tensor([valid], dtype=torch.bool)
+        law = output_law(p, None, tokens, ok, VERIFIER_RULES["deterministic"])
+        assert float((law - p).abs().max()) < 1e-12, (xs, valid)
+        choice, _ = VERIFIER_RULES["deterministic"](p, None, tokens, ok)
+        r, alive, want = p[0].clone(), 1.0, []
+        for x, v in zip(xs, valid):
+            a = float(r[x]) if v else 0.0
+            want.append(alive * a)
+            alive *= 1 - a
+            if v and float(r.sum() - r[x]) > 0:
+                r[x] = 0.0
+                r = r / r.sum()
+        assert torch.allclose(choice[0, :-1], torch.tensor(want, dtype=DT), atol=1e-12), (xs, valid)
+
+
 # ------------------------------------------------------------------ broken rules (twins)
 def broken_rrs_no_residual_update(p, q, child_tokens, child_valid):
     """RRS that keeps testing against p after a rejection (the classic bug)."""

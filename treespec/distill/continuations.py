@@ -27,9 +27,12 @@ from pathlib import Path
 import torch
 
 from ..files import atomic_write_json, remove_stale_temporaries
+from ..sampling import draw
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+#: the draw algorithm of sampled chunks (2: treespec.sampling.draw, two independent uniforms per token)
+SAMPLER = 2
 
 
 @dataclass(frozen=True)
@@ -73,33 +76,7 @@ def _pick(logits: torch.Tensor, opts: ContinuationOptions, generator: torch.Gene
     """``[B, V]`` float32 logits -> ``[B]`` next tokens (argmax, or an exact draw at the temperature)."""
     if opts.mode == "greedy":
         return logits.argmax(dim=-1)
-    return draw_from_logits(logits / opts.temperature, generator)
-
-
-def draw_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
-                     block: int = 512) -> torch.Tensor:
-    """One exact draw per row from ``softmax(logits)``: ``[B, V]`` float32 -> ``[B]`` token ids.
-
-    Inverse-CDF sampling in two levels (a block, then a token inside it) so that only ``V / block +
-    block`` cumulative sums are formed per row, in float64; a uniform ``u`` picks the token whose
-    cumulative interval holds it, so token ``i`` is drawn with probability ``p_i`` up to float
-    rounding, and a zero-probability token never. Several times faster than ``torch.multinomial``
-    on a 262,144-token vocabulary.
-    """
-    b, v = logits.shape
-    probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
-    pad = (-v) % block
-    if pad:
-        probs = torch.nn.functional.pad(probs, (0, pad))
-    blocks = probs.view(b, -1, block)  # [B, nb, block]
-    cdf_blocks = blocks.sum(-1).double().cumsum(-1)  # [B, nb]
-    u = torch.rand(b, 1, generator=generator, dtype=torch.float64, device=logits.device) * cdf_blocks[:, -1:]
-    kb = torch.searchsorted(cdf_blocks, u, right=True).clamp(max=cdf_blocks.shape[1] - 1)  # [B, 1]
-    before = cdf_blocks.gather(1, (kb - 1).clamp(min=0)) * (kb > 0)  # [B, 1] mass of earlier blocks
-    inner = blocks.gather(1, kb[:, :, None].expand(b, 1, block)).squeeze(1).double().cumsum(-1)  # [B, block]
-    # rounding between the two levels must not push u past the block's last non-zero token
-    r = torch.minimum(u - before, torch.nextafter(inner[:, -1:], torch.zeros_like(u)))
-    return (kb * block + torch.searchsorted(inner, r, right=True)).squeeze(1)
+    return draw(torch.softmax(logits / opts.temperature, dim=-1), generator)[:, 0]
 
 
 @torch.no_grad()
@@ -148,8 +125,10 @@ def continue_batch(model, prompts: list[list[int]], opts: ContinuationOptions, e
 
 
 def _fingerprint(prompt_ids: list[list[int]], opts: ContinuationOptions, model_name: str) -> str:
-    h = hashlib.sha256(json.dumps({"opts": asdict(opts), "model": model_name, "format": FORMAT},
-                                  sort_keys=True).encode())
+    recipe = {"opts": asdict(opts), "model": model_name, "format": FORMAT}
+    if opts.mode == "sample":  # the sampler's random stream is part of a sampled recipe
+        recipe["sampler"] = SAMPLER
+    h = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
     for p in prompt_ids:
         h.update(len(p).to_bytes(4, "little"))
         h.update(torch.tensor(p, dtype=torch.int32).numpy().tobytes())

@@ -9,7 +9,7 @@ of ``draft_probs`` (pass a generator on that device) and, when ``num_children`` 
 
 Laws (q = the node's draft distribution, n = its number of children):
 
-``"iid"``                 n draws from q with replacement (``torch.multinomial``).
+``"iid"``                 n draws from q with replacement (:func:`treespec.sampling.draw`).
 ``"without_replacement"`` n ordered draws without replacement, by the exponential race: the
                           tokens with the n smallest ``E_y / q(y)``, ``E_y ~ Exp(1)`` i.i.d., in
                           increasing order (same law as drawing one at a time and renormalising q).
@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..sampling import draw
 from ..tree import DRAFT_LAWS
 from ..verify.greedy_draft import restricted_draft
 from ..verify.spechub import hub_and_second_law
@@ -112,7 +113,7 @@ def draw_children(draft_probs: torch.Tensor, num_children: int | torch.Tensor, l
         raise ValueError(f"law {law!r} cannot draw {k} distinct children from a vocabulary of {v}")
 
     if law == "iid":
-        tokens = torch.multinomial(q, k, replacement=True, generator=generator)
+        tokens = draw(q, generator, num_draws=k)
     elif law == "without_replacement":
         race = torch.empty_like(q).exponential_(generator=generator)  # [M, V] Exp(1)
         keys = torch.where(q > 0, race / q.clamp(min=torch.finfo(q.dtype).tiny), torch.inf)
@@ -124,19 +125,19 @@ def draw_children(draft_probs: torch.Tensor, num_children: int | torch.Tensor, l
         order = _top_order(q, k)  # [M, K] the k best tokens, best first
         num_fixed = (counts - 1).clamp(min=0)[:, None]  # [M, 1]
         fixed_mask = torch.zeros_like(q, dtype=torch.bool).scatter_(1, order, cols[None, :] < num_fixed)  # [M, V]
-        last = torch.multinomial(restricted_draft(q, fixed_mask), 1, generator=generator)  # [M, 1]
+        last = draw(restricted_draft(q, fixed_mask), generator)  # [M, 1]
         tokens = torch.where(cols[None, :] == num_fixed, last, order)
     else:  # spechub
         if k > 2:
             raise ValueError(f"law 'spechub' draws at most 2 children per node, got {k}")
-        first = torch.multinomial(q, 1, generator=generator)  # [M, 1]
+        first = draw(q, generator)  # [M, 1]
         if k == 1:
             tokens = first
         else:
             if v < 2:
                 raise ValueError("law 'spechub' needs a vocabulary of at least 2 tokens for a pair")
             hub, qbar = hub_and_second_law(q)
-            other = torch.multinomial(qbar, 1, generator=generator)  # [M, 1]
+            other = draw(qbar, generator)  # [M, 1]
             tokens = torch.cat([first, torch.where(first == hub, other, hub)], dim=1)
     tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
     return Drafts(tokens, valid)

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from ..sampling import draw
 from ..tree import TokenTree
 
 # (p [M, V], q [M, V] | None, child_tokens [M, K], child_valid [M, K]) -> (choice_probs, residual)
@@ -94,10 +95,9 @@ def check_law(tree: TokenTree, allowed: tuple[str, ...], name: str) -> None:
 
 
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw from each row of ``probs`` ``[..., V]`` -> ``[...]`` (no host sync)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.reshape(probs.shape[:-1])
+    """One exact draw from each row of ``probs`` ``[..., V]`` -> ``[...]`` (no host sync; see
+    :func:`treespec.sampling.draw`)."""
+    return draw(probs, generator)[..., 0]
 
 
 def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,

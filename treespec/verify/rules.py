@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import row_mass
+
 
 def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` ``[M, V]`` divided by their sums; also returns which rows had positive mass."""
@@ -73,22 +75,27 @@ def deterministic_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: to
                        child_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates chosen without looking at the target: q is a point mass on each candidate.
 
-    Child i is accepted with probability ``r(x_i)``; on rejection ``r(x_i) <- 0`` and r is
-    renormalised. Lossless whatever rule picked the candidates.
+    Child i is accepted with probability ``r_i(x_i)``, where ``r_i`` is p with the earlier
+    candidates removed and renormalised: ``r_i(x_i) = p(x_i) / (1 - sum_{j < i} p(x_j))`` over
+    distinct earlier candidates (a repeated candidate has ``r_i(x_i) = 0``). Lossless whatever rule
+    picked the candidates. Only the candidates' probabilities are read per rank (remaining masses in
+    float64 from one row sum); the residual, p without every candidate, is formed once.
     """
     m, k = child_tokens.shape
-    r = p
-    alive = torch.ones(m, 1, dtype=p.dtype, device=p.device)
-    choice = torch.zeros(m, k + 1, dtype=p.dtype, device=p.device)
-    for i in range(k):
-        x = child_tokens[:, i:i + 1]
-        valid = child_valid[:, i:i + 1]
-        a = r.gather(1, x) * valid
-        choice[:, i:i + 1] = alive * a
-        alive = alive * (1 - a)
-        r_next, ok = _normalise(r.scatter(1, x, 0.0))
-        r = torch.where(valid & ok, r_next, r)
-    choice[:, k:] = alive
+    total = row_mass(p)  # [M, 1] float64
+    px = p.gather(1, child_tokens).double() * child_valid  # [M, K]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=p.device).tril(-1)  # [i, j]: j < i
+    same = (child_tokens[:, :, None] == child_tokens[:, None, :]) & child_valid[:, None, :] & earlier  # [M, K, K]
+    repeat = same.any(dim=2)  # [M, K] x_i already offered by an earlier valid child
+    px = torch.where(repeat, torch.zeros_like(px), px)  # each distinct candidate's mass counted once
+    removed = px.cumsum(dim=1) - px  # [M, K] mass of the distinct earlier candidates
+    remaining = total - removed  # [M, K]
+    a = torch.where(remaining > 0, px / remaining.clamp(min=torch.finfo(torch.float64).tiny), 0.0).clamp(max=1.0)
+    alive = torch.cumprod(torch.cat([torch.ones_like(a[:, :1]), 1 - a], dim=1), dim=1)  # [M, K + 1]
+    choice = torch.cat([alive[:, :k] * a, alive[:, k:]], dim=1).to(p.dtype)  # [M, K + 1]
+    r = p.scatter(1, torch.where(child_valid, child_tokens, child_tokens[:, :1]), 0.0)  # [M, V]
+    left = row_mass(r)  # [M, 1] mass outside the candidates
+    r = torch.where(left > 0, r / left.clamp(min=torch.finfo(torch.float64).tiny).to(p.dtype), p)
     return choice, r
 
 

@@ -1,0 +1,99 @@
+"""The exact categorical sampler every draw goes through (treespec.sampling.draw).
+
+- G tests (stats; seed 0, N = 200,000 draws over a 300-token vocabulary with blocks of 16, so the
+  last block is padded; alpha = 1e-3; cells expected < 5 pooled): one draw per row of many rows, and
+  many draws from one unnormalised row, both match p / sum(p); a zero-probability token is never
+  drawn. Power (stats_helpers): at N = 200,000, alpha = 1e-3, power 0.9 and df <= 299 the test
+  detects KL >= 3.1e-4 nats, i.e. any total-variation shift >= 0.0125.
+- Broken twins fail the same test: a sampler at a wrong temperature (TV ~0.03), and a two-stage
+  sampler whose token stage reuses the block stage's uniform (the stages must be independent).
+- Edge cases, deterministic: point masses (first token, last token of a padded block, a block's
+  last token behind a huge block), leading dimensions kept, invalid ``num_draws`` refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stats_helpers import g_test
+
+from treespec.sampling import draw
+
+N, V, ALPHA, BLOCK = 200_000, 300, 1e-3, 16
+
+
+def _law() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(V, generator=g) * 2.0
+    logits[5] = -float("inf")  # a zero-probability token must never be drawn
+    return torch.softmax(logits, -1)
+
+
+def _counts(sample) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V, dtype=torch.long)
+    for _ in range(N // 50_000):
+        counts += torch.bincount(sample(g).flatten(), minlength=V)
+    return counts
+
+
+@pytest.mark.stats
+def test_one_draw_per_row_is_exact():
+    p = _law()
+    counts = _counts(lambda g: draw(p.expand(50_000, V).contiguous(), g, block=BLOCK))
+    assert int(counts[5]) == 0 and int(counts.sum()) == N
+    assert g_test(counts.numpy(), p.double().numpy()) > ALPHA
+
+
+@pytest.mark.stats
+def test_many_draws_from_an_unnormalised_row_are_exact():
+    p = _law()
+    counts = _counts(lambda g: draw(p * 7.3, g, num_draws=50_000, block=BLOCK))
+    assert int(counts[5]) == 0 and int(counts.sum()) == N
+    assert g_test(counts.numpy(), p.double().numpy()) > ALPHA
+
+
+@pytest.mark.stats
+def test_g_test_catches_a_wrong_temperature():
+    p = _law()
+    wrong = torch.softmax(p.log() / 0.9, -1)  # TV about 0.03
+    counts = _counts(lambda g: draw(wrong.expand(50_000, V).contiguous(), g, block=BLOCK))
+    assert g_test(counts.numpy(), p.double().numpy()) < ALPHA
+
+
+def _correlated_stages(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Broken twin: the token stage reuses the block stage's uniform instead of a fresh one."""
+    rows = probs.shape[0]
+    blocks = torch.nn.functional.pad(probs, (0, (-V) % BLOCK)).view(rows, -1, BLOCK)
+    cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
+    u = torch.rand(rows, 1, generator=g, dtype=torch.float64)
+    kb = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=cdf.shape[1] - 1)
+    inner = blocks.gather(1, kb[:, :, None].expand(rows, 1, BLOCK)).double().cumsum(-1)
+    return kb * BLOCK + torch.searchsorted(inner, u[:, :, None] * inner[..., -1:], right=True).squeeze(-1)
+
+
+@pytest.mark.stats
+def test_g_test_catches_correlated_stages():
+    p = _law()
+    counts = _counts(lambda g: _correlated_stages(p.expand(50_000, V).contiguous(), g))
+    assert g_test(counts.numpy(), p.double().numpy()) < ALPHA
+
+
+def test_point_masses_and_shapes():
+    g = torch.Generator().manual_seed(1)
+    for token in (0, V - 1, 15, 31):
+        p = torch.zeros(V)
+        p[token] = 1.0
+        assert set(draw(p, g, num_draws=200, block=BLOCK).tolist()) == {token}
+    # a block's last token right behind a block holding almost all the mass: never confused
+    p = torch.zeros(V)
+    p[0], p[31] = 1.0, 1e-30
+    assert set(draw(p, g, num_draws=500, block=BLOCK).tolist()) == {0}
+    p = torch.zeros(V)
+    p[16], p[31] = 1.0, 1e-30  # same block: the tiny token is not the one the rounding lands on
+    assert set(draw(p, g, num_draws=500, block=BLOCK).tolist()) == {16}
+    batch = torch.softmax(torch.randn(2, 3, V, generator=g), -1)
+    out = draw(batch, g, num_draws=4, block=BLOCK)
+    assert out.shape == (2, 3, 4) and out.dtype == torch.long and int(out.max()) < V
+    with pytest.raises(ValueError, match="num_draws"):
+        draw(batch, g, num_draws=0)
