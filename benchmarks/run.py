@@ -28,6 +28,12 @@ per method, the median over prompts and a seeded percentile-bootstrap 95% interv
 baselines: treespec plain, HF ``generate`` and the method's own engine's plain decoding. Warm-up: every
 method runs once on a warm-up prompt (8 tokens) per dtype before the first round; not measured.
 
+Long runs resume: every round is appended to ``rounds.jsonl`` as it ends and the table is rewritten after
+every prompt (prompts run round-robin over subtasks, so a stopped run has measured each subtask about
+equally); ``python benchmarks/run.py --resume DIR`` continues the run in DIR with its recorded arguments,
+only on the same machine (CPU model, flags, cores), library versions and code (a later commit that changed
+nothing under ``treespec/`` or the harness), and records each session in ``provenance.json``.
+
 Writes ``provenance.json`` (commit, dirty + diff, machine and CPU flags, versions, command),
 ``rounds.jsonl`` (every measured run), ``summary.json``, ``table.md`` and ``speedup.png`` to
 ``benchmarks/results/speed/<date>-<commit>[-tag]/`` (or ``--out``).
@@ -48,17 +54,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
+    REPO,
     SUBTASKS,
+    ProvenanceError,
     add_output_args,
     bootstrap_ci,
     cpu_info,
     finish,
+    git_state,
+    machine_info,
     load_prompts,
     load_train_prompts,
     median,
     open_results,
+    versions,
     write_json,
 )
+from benchmarks.common import _git as git  # noqa: E402
 
 BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain"}
 BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llama_plain": "llama.cpp plain"}
@@ -72,9 +84,13 @@ WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
 class Method:
     """A named way to generate exactly ``n`` tokens; ``engine`` decides its own plain baseline."""
 
+    @staticmethod
+    def no_reset() -> None:
+        """The reset of a method that keeps no state across prompts."""
+
     def __init__(self, name: str, engine: str, run, describe: str, reset=None) -> None:
         self.name, self.engine, self._run, self.describe = name, engine, run, describe
-        self.reset = reset or (lambda: None)
+        self.reset = reset or Method.no_reset
 
     def __call__(self, prompt: dict, n: int, temperature: float, seed: int) -> dict:
         return self._run(prompt, n, temperature, seed)
@@ -380,6 +396,12 @@ def markdown(summary: dict, meta: dict) -> str:
              ]
     for note in meta.get("skipped", []):
         lines.append(f"- Skipped: {note}")
+    rounds = meta.get("rounds")
+    if rounds and rounds["done"] < rounds["total"]:
+        lines.append(f"- PARTIAL RUN: {rounds['done']} of {rounds['total']} rounds measured so far (prompts run "
+                     f"round-robin over subtasks); continue with `python benchmarks/run.py --resume DIR`")
+    for sess in prov.get("sessions", []):
+        lines.append(f"- Resumed {sess['date_utc']} at commit {sess['commit'][:7]}")
     lines.append("")
     for key, block in summary.items():
         lines += [f"## {key}", "",
@@ -438,6 +460,86 @@ def plot(summary: dict, out: Path) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------- resuming a run
+
+#: the folders whose code decides a measured speed: a run resumes at another commit only if these are equal
+CODE_PATHS = ("treespec", "benchmarks/run.py", "benchmarks/common.py", "pyproject.toml")
+
+
+def interleave(prompts: list[dict]) -> list[dict]:
+    """Prompts in round-robin order over subtasks (first of each subtask, then second, ...), so that a
+    run stopped part-way has measured every subtask about equally."""
+    groups: dict[str, list[dict]] = {}
+    for p in prompts:
+        groups.setdefault(p["subtask"], []).append(p)
+    out = []
+    for i in range(max((len(g) for g in groups.values()), default=0)):
+        out += [g[i] for g in groups.values() if i < len(g)]
+    return out
+
+
+def check_resumable(folder: Path) -> dict:
+    """Provenance of the partial run in ``folder``, after checking that this process may add to it:
+    same machine (CPU model and flags, cores), same library versions, a clean tree whose code
+    (:data:`CODE_PATHS`) equals the recorded commit's. Raises :class:`ProvenanceError` naming the difference."""
+    path = folder / "provenance.json"
+    if not path.is_file():
+        raise ProvenanceError(f"--resume {folder}: no provenance.json there (not a results folder of run.py)")
+    prov = json.loads(path.read_text())
+    if prov.get("complete"):
+        raise ProvenanceError(f"--resume {folder}: that run is complete; start a new one")
+    if prov.get("dirty"):
+        raise ProvenanceError(f"--resume {folder}: the run was made on a dirty tree; only clean runs resume")
+    mine = machine_info()
+    for key in ("cpu", "cpu_flags", "cores"):
+        if mine.get(key) != prov["machine"].get(key):
+            raise ProvenanceError(f"--resume {folder}: machine differs ({key}: recorded "
+                                  f"{prov['machine'].get(key)!r}, here {mine.get(key)!r}); resume on the same machine")
+    if versions() != prov["versions"]:
+        raise ProvenanceError(f"--resume {folder}: library versions differ (recorded {prov['versions']}, "
+                              f"here {versions()})")
+    state = git_state()
+    if state["dirty"]:
+        raise ProvenanceError(f"--resume {folder}: the working tree has uncommitted changes; commit first")
+    if state["commit"] != prov["commit"]:
+        changed = git(["diff", "--name-only", prov["commit"], state["commit"], "--", *CODE_PATHS], REPO).split()
+        if changed:
+            raise ProvenanceError(
+                f"--resume {folder}: the code changed since the recorded commit {prov['commit_short']} "
+                f"({', '.join(changed[:5])}); resume from a checkout of that commit "
+                f"(git worktree add ../bench {prov['commit_short']})")
+    return prov
+
+
+def read_rounds(path: Path) -> list[dict]:
+    """The rows of ``rounds.jsonl`` (a last line cut by a killed writer is dropped, and the file
+    rewritten without it)."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ProvenanceError(f"{path}: line {i + 1} is not JSON (only a cut last line is repaired)")
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def write_report(out: Path, runs: list[dict], meta: dict, seed: int, total_rounds: int) -> None:
+    """summary.json, table.md and speedup.png from every measured row so far (partial runs say so)."""
+    done = len({(r["dtype"], r["temperature"], r["prompt_id"], r["repeat"]) for r in runs})
+    meta["rounds"] = {"done": done, "total": total_rounds}
+    prompt_rows = per_prompt_speedups(runs)
+    summary = summarise(prompt_rows, seed)
+    write_json(out / "summary.json", {"meta": meta, "summary": summary, "per_prompt": prompt_rows})
+    (out / "table.md").write_text(markdown(summary, meta))
+    if summary:
+        plot(summary, out)
+
+
 # --------------------------------------------------------------------------------------------- main
 
 def resolve_dtypes(spec: list[str]) -> list[str]:
@@ -479,8 +581,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="an extra treespec row: `treespec generate --draft DRAFT --tree TREE --min-confidence CONF "
                          "--law LAW` ('-' = the CLI's default), e.g. --variant ts_head6 head 1,1,1,1,1,1 0.2 iid")
     ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
+    ap.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                    help="continue the unfinished run in DIR with its recorded settings (same machine, library "
+                         "versions and code; rounds already measured are kept, the others run)")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    resumed = None
+    if args.resume is not None:
+        folder = args.resume
+        resumed = check_resumable(folder)
+        if "run_argv" not in resumed:
+            raise ProvenanceError(f"--resume {folder}: the run recorded no arguments (made before --resume existed)")
+        args = ap.parse_args(resumed["run_argv"])  # the recorded settings, unchanged
+        args.out, args.resume = folder, folder
     if args.list_methods:
         print("protocol:", *PROTOCOL_METHODS, "\nextras:", *EXTRA_METHODS)
         return 0
@@ -505,7 +618,15 @@ def main(argv: list[str] | None = None) -> int:
 
     kind = "tuning" if args.prompt_set == "train" else "speed"
     started = time.time()
-    out, prov = open_results(kind, args.out, allow_dirty=args.allow_dirty, tag=args.tag)
+    if resumed is None:
+        out, prov = open_results(kind, args.out, allow_dirty=args.allow_dirty, tag=args.tag,
+                                 extra={"run_argv": list(sys.argv[1:] if argv is None else argv)})
+    else:  # every session that adds rounds is recorded beside the run's own provenance
+        out, prov = args.out, resumed
+        prov.setdefault("sessions", []).append(
+            {"commit": git_state()["commit"], "date_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+             "command": " ".join(sys.argv)})
+        write_json(out / "provenance.json", prov)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     from treespec.models.loading import load_draft_model, load_model, load_tokenizer
@@ -513,17 +634,22 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer("embedded")
     rows = (load_train_prompts(args.per_subtask) if args.prompt_set == "train"
             else load_prompts(args.per_subtask, args.humaneval, tuple(args.subtasks)))
-    prompts = [{"id": r["id"], "subtask": r["subtask"], "text": r["prompt"], "ids": tok(r["prompt"])["input_ids"]}
-               for r in rows]
+    prompts = interleave([{"id": r["id"], "subtask": r["subtask"], "text": r["prompt"],
+                           "ids": tok(r["prompt"])["input_ids"]} for r in rows])
     warm = {"id": "warm-up", "subtask": "warm-up", "text": WARMUP_TEXT, "ids": tok(WARMUP_TEXT)["input_ids"]}
     n_ctx = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64  # run() checks llama.cpp's own count
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "dtypes": dtypes,
                 "prompts": len(prompts), "prompt_ids": [p["id"] for p in prompts], "warmup_tokens": 8,
                 "methods_run": sorted(wanted)}
     meta = {"provenance": prov, "settings": settings, "skipped": skipped, "methods": {}}
-    runs: list[dict] = []
-    log = (out / "rounds.jsonl").open("w")
+    runs = read_rounds(out / "rounds.jsonl")  # a resumed run keeps what it measured
+    done = {(r["dtype"], r["temperature"], r["prompt_id"], r["repeat"]) for r in runs}
+    total_rounds = len(dtypes) * len(args.temperatures) * len(prompts) * args.repeats
+    log = (out / "rounds.jsonl").open("a")
     for dtype in dtypes:
+        if all((dtype, t, p["id"], rep) in done for t in args.temperatures for p in prompts
+               for rep in range(args.repeats)):
+            continue
         model = load_model("embedded", dtype=dtype)
         counter = ForwardCounter(model)
         methods = treespec_methods(model, tok, dtype, wanted, args)
@@ -540,38 +666,51 @@ def main(argv: list[str] | None = None) -> int:
         if wanted & {"llama_plain", "llama_prompt_lookup"}:
             methods += llama_methods(wanted, args.threads, n_ctx, args.lookup_tokens)
         meta["methods"].update({m.name: m.describe for m in methods})
+        if any(m.reset is not Method.no_reset for m in methods) and done:
+            raise ProvenanceError("--resume: a method keeps state across prompts (an online store); such runs "
+                                  "cannot resume part-way")
         for m in methods:  # warm-up, not measured
             m(warm, 8, 0.0, 0)
-        for temp in args.temperatures:
-            for m in methods:  # stateful methods (online stores) start empty at each temperature
-                m.reset()
-            for pi, p in enumerate(prompts):
-                for rep in range(args.repeats):
-                    seed = args.seed + 1000 * pi + rep
-                    res = {}
-                    for m in round_order(methods, pi, rep, args.seed):
-                        res[m.name] = (m, m(p, args.max_new_tokens, temp, seed))
-                    for name, (m, r) in res.items():
-                        own = res.get(BASELINES[m.engine], (None, None))[1]
-                        row = {"dtype": dtype, "temperature": temp, "prompt_id": p["id"], "subtask": p["subtask"],
-                               "repeat": rep, "method": name, "engine": m.engine, "new_tokens": len(r["tokens"]),
-                               **{k: v for k, v in r.items() if k != "tokens"}}
-                        if temp == 0:
-                            row["equal_to_own_plain"] = own is not None and r["tokens"] == own["tokens"]
-                            row["equal_to_ts_plain"] = r["tokens"] == res["ts_plain"][1]["tokens"]
-                        runs.append(row)
-                        log.write(json.dumps({**row, "tokens": r["tokens"]}) + "\n")
-                    log.flush()
-                print(f"{dtype} T={temp:g} {pi + 1}/{len(prompts)} {p['id']}: " + ", ".join(
-                    f"{k} {len(v[1]['tokens']) / v[1]['wall_s']:.1f}" for k, v in res.items()) + " tok/s", flush=True)
+        stateful = any(m.reset is not Method.no_reset for m in methods)
+        # each prompt at every temperature before the next prompt (a stopped run covers both temperatures);
+        # methods with state across prompts (online stores) need one temperature after the other instead
+        order = ([(t, pi) for t in args.temperatures for pi in range(len(prompts))] if stateful
+                 else [(t, pi) for pi in range(len(prompts)) for t in args.temperatures])
+        for temp, pi in order:
+            p = prompts[pi]
+            if stateful and pi == 0:
+                for m in methods:  # online stores start empty at each temperature
+                    m.reset()
+            todo = [rep for rep in range(args.repeats) if (dtype, temp, p["id"], rep) not in done]
+            for rep in todo:
+                seed = args.seed + 1000 * pi + rep
+                res = {}
+                for m in round_order(methods, pi, rep, args.seed):
+                    res[m.name] = (m, m(p, args.max_new_tokens, temp, seed))
+                for name, (m, r) in res.items():
+                    own = res.get(BASELINES[m.engine], (None, None))[1]
+                    row = {"dtype": dtype, "temperature": temp, "prompt_id": p["id"], "subtask": p["subtask"],
+                           "repeat": rep, "method": name, "engine": m.engine, "new_tokens": len(r["tokens"]),
+                           **{k: v for k, v in r.items() if k != "tokens"}}
+                    if temp == 0:
+                        row["equal_to_own_plain"] = own is not None and r["tokens"] == own["tokens"]
+                        row["equal_to_ts_plain"] = r["tokens"] == res["ts_plain"][1]["tokens"]
+                    runs.append(row)
+                    log.write(json.dumps({**row, "tokens": r["tokens"]}) + "\n")
+                log.flush()
+            if not todo:
+                continue
+            write_report(out, runs, meta, args.seed, total_rounds)  # a stopped run still has its table
+            print(f"{dtype} T={temp:g} {pi + 1}/{len(prompts)} {p['id']}: " + ", ".join(
+                f"{k} {len(v[1]['tokens']) / v[1]['wall_s']:.1f}" for k, v in res.items()) + " tok/s", flush=True)
         del model
     log.close()
-    prompt_rows = per_prompt_speedups(runs)
-    summary = summarise(prompt_rows, args.seed)
-    write_json(out / "summary.json", {"meta": meta, "summary": summary, "per_prompt": prompt_rows})
-    (out / "table.md").write_text(markdown(summary, meta))
-    plot(summary, out)
-    finish(out, started)
+    write_report(out, runs, meta, args.seed, total_rounds)
+    if meta["rounds"]["done"] == total_rounds:
+        finish(out, started)
+    else:
+        print(f"PARTIAL: {meta['rounds']['done']} of {total_rounds} rounds measured; continue with "
+              f"`python benchmarks/run.py --resume {out}`", flush=True)
     print((out / "table.md").read_text())
     print(f"results in {out}")
     return 0

@@ -220,3 +220,61 @@ def test_results_dir_of_older_scripts_needs_the_environment_switch(monkeypatch, 
     monkeypatch.setenv("TREESPEC_ALLOW_DIRTY", "1")
     folder = common.results_dir("profile")
     assert folder.parent == repo / "benchmarks" / "results" / "profile" and (folder / "diff.patch").exists()
+
+
+# ------------------------------------------------------------------------------------ resuming run.py
+
+def test_prompts_run_round_robin_over_subtasks():
+    from benchmarks import run
+
+    ps = [{"id": f"{s}{i}", "subtask": s} for s in ("a", "b", "c") for i in range(3 if s != "b" else 1)]
+    assert [p["id"] for p in run.interleave(ps)] == ["a0", "b0", "c0", "a1", "c1", "a2", "c2"]
+
+
+def test_a_cut_last_round_line_is_dropped(tmp_path):
+    from benchmarks import run
+
+    path = tmp_path / "rounds.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": ')
+    assert run.read_rounds(path) == [{"a": 1}, {"a": 2}]
+    assert path.read_text() == '{"a": 1}\n{"a": 2}\n'
+    path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
+    with pytest.raises(run.ProvenanceError, match="line 2"):
+        run.read_rounds(path)
+
+
+def _recorded(tmp_path, **changes) -> tuple:
+    from benchmarks import run
+
+    state = {"commit": "a" * 40, "short": "a" * 7, "dirty": False, "changed": [], "untracked": []}
+    prov = {"commit": state["commit"], "commit_short": state["short"], "dirty": False,
+            "machine": common.machine_info(), "versions": common.versions(), "command": {"argv": ["run.py"]}}
+    prov.update(changes)
+    (tmp_path / "provenance.json").write_text(json.dumps(prov))
+    return run, state
+
+
+@pytest.mark.parametrize("change, state_change, diff, message", [
+    ({"complete": True}, {}, "", "complete"),
+    ({"dirty": True}, {}, "", "dirty tree"),
+    ({"machine": {"cpu": "Another CPU", "cpu_flags": {}, "cores": 2}}, {}, "", "machine differs"),
+    ({"versions": {"torch": "0.0"}}, {}, "", "versions differ"),
+    ({}, {"dirty": True}, "", "uncommitted"),
+    ({}, {"commit": "b" * 40}, "treespec/verify/core.py\n", "code changed"),
+])
+def test_resume_refuses_what_would_mix_two_setups(tmp_path, monkeypatch, change, state_change, diff, message):
+    run, state = _recorded(tmp_path, **change)
+    monkeypatch.setattr(run, "git_state", lambda repo=common.REPO: {**state, **state_change})
+    monkeypatch.setattr(run, "git", lambda args, repo: diff)
+    with pytest.raises(run.ProvenanceError, match=message):
+        run.check_resumable(tmp_path)
+
+
+def test_resume_accepts_the_same_setup_and_a_commit_that_changed_no_code(tmp_path, monkeypatch):
+    run, state = _recorded(tmp_path)
+    monkeypatch.setattr(run, "git", lambda args, repo: "")  # e.g. only README / results changed
+    for commit in ("a" * 40, "c" * 40):
+        monkeypatch.setattr(run, "git_state", lambda repo=common.REPO, c=commit: {**state, "commit": c})
+        assert run.check_resumable(tmp_path)["commit"] == "a" * 40
+    with pytest.raises(run.ProvenanceError, match="no provenance"):
+        run.check_resumable(tmp_path / "missing")

@@ -44,3 +44,46 @@ def test_run_quick(tmp_path, dtype):
     assert {r["dtype"] for r in rows} == {dtype} and all(r["new_tokens"] > 0 for r in rows)
     if dtype == "float32":  # T=0 in fp32: treespec rows are token-identical to its plain decoding
         assert all(r["equal_to_ts_plain"] for r in rows if r["engine"] == "treespec")
+
+
+@pytest.mark.gemma
+def test_run_stopped_part_way_resumes_to_every_round_once(tmp_path, monkeypatch):
+    from benchmarks import common, run
+
+    clean = {"commit": "f" * 40, "short": "f" * 7, "dirty": False, "changed": [], "untracked": []}
+    monkeypatch.setattr(common, "git_state", lambda repo=common.REPO: dict(clean))
+    monkeypatch.setattr(run, "git_state", lambda repo=common.REPO: dict(clean))
+    out = tmp_path / "speed"
+    real, calls = run.round_order, {"n": 0}
+
+    def stopped_at_the_third_prompt(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run, "round_order", stopped_at_the_third_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        run.main(["--quick", "--methods", "ts_plain", "--no-llama", "--dtypes", "float32", "--threads", "1",
+                  "--out", str(out)])
+    first = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert len({r["prompt_id"] for r in first}) == 2 and len(first) == 4  # ts_plain and hf_plain on 2 prompts
+    assert "PARTIAL RUN: 2 of 3 rounds" in (out / "table.md").read_text()
+    assert not json.loads((out / "provenance.json").read_text()).get("complete")
+    with (out / "rounds.jsonl").open("a") as f:  # a writer killed in the middle of a line
+        f.write('{"dtype": "flo')
+    monkeypatch.setattr(run, "round_order", real)
+    monkeypatch.setattr(run, "machine_info", lambda: {**common.machine_info(), "cpu": "Another CPU"})
+    with pytest.raises(run.ProvenanceError, match="machine differs"):
+        run.main(["--resume", str(out)])
+    monkeypatch.setattr(run, "machine_info", common.machine_info)
+    assert run.main(["--resume", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert rows[:4] == first  # what was measured is kept as it was
+    keys = [(r["prompt_id"], r["repeat"], r["method"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 6
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["complete"] and len(prov["sessions"]) == 1
+    assert "PARTIAL" not in (out / "table.md").read_text()
+    with pytest.raises(run.ProvenanceError, match="complete"):
+        run.main(["--resume", str(out)])
