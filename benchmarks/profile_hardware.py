@@ -3,6 +3,7 @@ bandwidth reference (the time to read every target weight byte once, measured in
 
     python benchmarks/profile_hardware.py [--dtype float32] [--threads 2] [--draft early-exit:12] [--fast]
     python benchmarks/profile_hardware.py --dtype bfloat16 --compare     # eager runner vs fast runner
+    python benchmarks/profile_hardware.py --dtype bfloat16 --compare --quantize int4   # + the 4-bit target
 
 ``--fast`` profiles the fast runner (``treespec.models.fast``: lean forward, static KV cache);
 ``--compare`` profiles both runners on the same loaded model, one after the other.
@@ -26,6 +27,32 @@ from treespec.models.loading import load_draft_model, load_model  # noqa: E402
 from treespec.calibration import measure_profile  # noqa: E402
 
 
+CORPUS = Path(__file__).resolve().parent.parent / "corpora" / "head-v2" / "continuations" / "v2-greedy" / "chunk-00000.json"
+
+
+@torch.no_grad()
+def quantised_agreement(target, quantize: str, rows: int = 6, tokens: int = 200) -> dict:
+    """How close the quantised target is to the unquantised one: top-1 agreement and mean KL(p || p_q)
+    of the next-token distributions, teacher-forced on the first ``tokens`` ids of ``rows`` of the
+    target's own greedy continuations of train prompts (the committed head-v2 corpus; never eval data)."""
+    import json
+
+    from treespec.models.fast import make_runner
+
+    seqs = [r["continuation"][:tokens] for r in json.loads(CORPUS.read_text())["rows"][:rows]]
+    full, quant = make_runner(target, fast=True), make_runner(target, quantize=quantize)
+    agree = kl = n = 0
+    for seq in seqs:
+        logp = []
+        for runner in (full, quant):
+            runner.reset()
+            logp.append(torch.log_softmax(runner.forward(None, None, torch.tensor(seq))["logits"], -1))
+        agree += int((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
+        kl += float((logp[0].exp() * (logp[0] - logp[1])).sum())
+        n += len(seq)
+    return {"positions": n, "top1_agreement": agree / n, "mean_kl_nats": kl / n, "source": str(CORPUS.name)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32")
@@ -36,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--fast", action="store_true", help="profile the fast runner (treespec.models.fast)")
     ap.add_argument("--compare", action="store_true", help="profile the eager and the fast runner")
+    ap.add_argument("--quantize", choices=["int4"], default=None,
+                    help="also profile the fast runner on 4-bit weights (treespec generate --quantize int4)")
     add_output_args(ap)
     args = ap.parse_args(argv)
     started = time.time()
@@ -45,16 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model("embedded", dtype=args.dtype)
     draft = load_draft_model(args.draft, target) if args.draft else None
     sizes = tuple(int(s) for s in args.sizes.split(","))
-    modes = [False, True] if args.compare else [args.fast]
-    profs = {fast: measure_profile(target, draft, sizes=sizes, repeats=args.repeats, fast=fast) for fast in modes}
+    modes = ([False, True] if args.compare else [args.fast]) + ([args.quantize] if args.quantize else [])
+    profs = {mode: measure_profile(target, draft, sizes=sizes, repeats=args.repeats, fast=bool(mode),
+                                   quantize=mode if isinstance(mode, str) else None) for mode in modes}
     meta = {"commit": prov["commit"], "machine": prov["machine"],
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    if args.quantize:
+        meta["quantised_agreement"] = quantised_agreement(target, args.quantize)
     write_json(out / "meta.json", meta)
     lines = [f"# Hardware profile ({meta['commit']}): Gemma-3-270M {args.dtype}, {args.threads} threads", "",
              f"{meta['machine']['cpu']}"]
-    for fast, prof in profs.items():
-        name = "fast" if fast else "eager"
-        prof.save(out / ("profile.json" if fast == modes[-1] else f"profile-{name}.json"))
+    for mode, prof in profs.items():
+        name = mode if isinstance(mode, str) else ("fast" if mode else "eager")
+        main = [m for m in modes if not isinstance(m, str)][-1]  # the unquantised runner the choosers reuse
+        prof.save(out / ("profile.json" if mode is main else f"profile-{name}.json"))
         t1 = prof.verify_s[0]
         lines += ["", f"## {prof.meta['runner']} ({name})", "",
                   f"weight streaming (read {prof.weight_bytes / 1e6:.0f} MB once): {prof.stream_s * 1000:.1f} ms; "
@@ -62,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"draft {args.draft or 'none'}: step {prof.draft_step_s * 1000:.1f} ms ({prof.draft_step_s / t1:.2f} x t(1))",
                   "", "| n | t(n) ms | t(n)/t(1) |", "|---|---|---|"]
         lines += [f"| {n} | {t * 1000:.1f} | {t / t1:.2f} |" for n, t in zip(prof.sizes, prof.verify_s)]
+        if isinstance(mode, str):
+            q = meta["quantised_agreement"]
+            lines += ["", f"{mode} vs the unquantised target (teacher-forced on {q['positions']} positions of its own "
+                          f"greedy continuations of train prompts): top-1 agreement {q['top1_agreement']:.3f}, "
+                          f"mean KL {q['mean_kl_nats']:.3f} nats"]
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     finish(out, started)
     print("\n".join(lines))

@@ -72,11 +72,12 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.common import _git as git  # noqa: E402
 
-BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain"}
-BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llama_plain": "llama.cpp plain"}
+BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain", "treespec-int4": "ts_plain_int4"}
+BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llama_plain": "llama.cpp plain",
+                  "ts_plain_int4": "treespec int4 plain"}
 PROTOCOL_METHODS = ("ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_chain", "ts_lookup_head",
                     "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain", "llama_prompt_lookup")
-EXTRA_METHODS = ("ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
+EXTRA_METHODS = ("ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
                  "ts_online_head", "ts_medusa")
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
 
@@ -133,7 +134,7 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
 
 # -------------------------------------------------------------------------------------------- treespec
 
-def ts_method(name: str, model, make_drafter, describe: str, reset=None) -> Method:
+def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine: str = "treespec") -> Method:
     """``model``: the target module or the runner around it (``--runner``)."""
     from treespec.generate import GenerationConfig, generate
     from treespec.sampling import SamplingConfig
@@ -145,7 +146,7 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None) -> Meth
         return {"tokens": res.token_ids, "wall_s": s["wall_s"], "target_calls": s["target_calls"],
                 **{k: s[k] for k in ("draft_s", "verify_s", "other_s", "prefill_s", "mean_tree_nodes")}}
 
-    return Method(name, "treespec", run, describe, reset)
+    return Method(name, engine, run, describe, reset)
 
 
 def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None,
@@ -182,6 +183,15 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
         ms.append(ts_method(name, runner, cli_drafter(model, tok, dtype, draft, confidence, shape, law),
                             f"treespec generate --draft {draft}" + (f" --tree {tree}" if shape else "")
                             + (f" --min-confidence {conf}" if confidence is not None else "") + f" --law {law}"))
+    if wanted & {"ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4"}:  # the opt-in 4-bit target
+        from treespec.models.fast import make_runner
+
+        int4 = make_runner(model, quantize="int4")
+        for name, draft in (("ts_plain_int4", None), ("ts_ngram_int4", "ngram"), ("ts_lookup_head_int4", "lookup+head")):
+            if name in wanted or name == "ts_plain_int4":
+                ms.append(ts_method(name, int4, cli_drafter(model, tok, dtype, draft) if draft else (lambda t: None),
+                                    f"treespec generate --quantize int4 {'--plain' if draft is None else '--draft ' + draft}",
+                                    engine="treespec-int4"))
     add("ts_ngram_tree", lambda t: NgramDrafter(NgramConfig(depth=8, branches=4, max_nodes=16)),
         "treespec generate --draft ngram --tree 8,4")
     if "ts_online_ngram" in wanted:  # one store per temperature, learning from every earlier prompt

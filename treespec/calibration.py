@@ -144,13 +144,30 @@ def _time_tree_pass(runner, tokens: int, repeats: int, vocab: int) -> float:
     return statistics.median(times)
 
 
+def runner_weights(runner) -> list[torch.Tensor]:
+    """The weight tensors a step of ``runner`` reads: a quantised fast runner's 4-bit copies (packed
+    codes, scales and offsets) with the tensors it reads as loaded (embedding, norms), else the
+    model's parameters and buffers."""
+    from .models.fast.quant import Int4Weight
+
+    if getattr(runner, "quantize", None) is None:
+        return [*runner.model.parameters(), *runner.model.buffers()]
+    out = [runner.embed, runner.final_norm]
+    for item in [x for layer in runner.layers for x in layer] + [runner.lm_head_weight]:
+        if isinstance(item, Int4Weight):
+            out += [item.packed, item.scales_zeros]
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+    return out
+
+
 @torch.no_grad()
 def measure_weight_stream(model, repeats: int = 5) -> tuple[float, int]:
-    """(seconds, bytes): the median time to read every weight byte of ``model`` once (one
-    reduction per distinct parameter/buffer storage; tied weights count once): the memory-bandwidth
-    floor of a decoding step that reads all weights."""
+    """(seconds, bytes): the median time to read every weight byte of ``model`` (a module, or a list
+    of tensors such as :func:`runner_weights`) once (one reduction per distinct storage; tied
+    weights count once): the memory-bandwidth floor of a decoding step that reads all weights."""
     seen, tensors = set(), []
-    for t in [*model.parameters(), *model.buffers()]:
+    for t in (model if isinstance(model, list) else [*model.parameters(), *model.buffers()]):
         key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.numel())
         if t.numel() and key not in seen:
             seen.add(key)
@@ -168,16 +185,17 @@ def measure_weight_stream(model, repeats: int = 5) -> tuple[float, int]:
 @torch.no_grad()
 def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZES, prefix: int = 128,
                     repeats: int = 3, draft_width: int = 4, warmup: int = 2, fast: bool = False,
-                    stream: bool = True) -> HardwareProfile:
+                    stream: bool = True, quantize: str | None = None) -> HardwareProfile:
     """Time target tree passes of ``sizes`` tokens after a ``prefix``-token context, and one draft
     step (a ``draft_width``-node frontier) of ``draft`` (None: c = 0). Medians of ``repeats``.
     ``fast``: through the fast runners (:func:`treespec.models.fast.make_runner`) where they cover
-    the model. ``stream``: also time reading every target weight once (``stream_s``)."""
+    the model. ``stream``: also time reading every target weight once (``stream_s``; for a target
+    quantised by ``quantize``, the weights its runner reads). ``quantize``: see :func:`make_runner`."""
     from .models.fast import make_runner
 
     if sizes[0] != 1:
         raise ValueError("sizes must start at 1 (plain decoding)")
-    runner = make_runner(target, fast=fast)
+    runner = make_runner(target, fast=fast, quantize=quantize)
     vocab = runner.vocab_size
     runner.reset()
     runner.forward(None, None, torch.arange(1, prefix + 1, device=runner.device) % vocab, need_logits=False)
@@ -196,6 +214,6 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
     meta = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "prefix": prefix, "repeats": repeats, "draft_width": draft_width,
             "target": type(runner.model).__name__, "runner": type(runner).__name__,
-            "dtype": str(runner.dtype).replace("torch.", "")}
-    stream_s, nbytes = measure_weight_stream(runner.model, max(repeats, 3)) if stream else (0.0, 0)
+            "dtype": str(runner.dtype).replace("torch.", ""), "quantize": quantize}
+    stream_s, nbytes = measure_weight_stream(runner_weights(runner), max(repeats, 3)) if stream else (0.0, 0)
     return HardwareProfile(list(sizes), verify, draft_s, meta, stream_s, nbytes)

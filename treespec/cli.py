@@ -21,7 +21,7 @@ from .drafters import DraftOptions, build_drafter
 from .drafting.base import Drafter
 from .drafting.compose import FirstOf
 from .generate import GenerationConfig, generate
-from .models.fast import FastGemmaRunner, fast_supported, make_runner
+from .models.fast import QUANTIZE_MODES, FastGemmaRunner, fast_supported, make_runner
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig
 from .tree import DRAFT_LAWS
@@ -71,6 +71,9 @@ def _check_args(args: argparse.Namespace) -> None:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as err:
         raise CliInputError(f"the prompt is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+    if args.quantize != "none" and args.runner == "eager":
+        raise CliInputError(f"--quantize {args.quantize} runs on the fast runner; it cannot be combined with "
+                            f"--runner eager")
     if args.tree is not None:
         ngram = not args.plain and _resolved_draft(args) == "ngram"
         if ngram and len(args.tree) != 2:
@@ -136,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target forward: 'fast' = lean Gemma-3 forward over a static cache (the same function, "
                         "tested against the eager one), 'eager' = the Hugging Face module, 'auto' = fast where it "
                         "covers the model")
+    g.add_argument("--quantize", choices=["none", *QUANTIZE_MODES], default="none",
+                   help="int4: the target's linear layers (LM head included) run on 4-bit weights (groups of 32, "
+                        "CPU kernel; about the size of the GGUF it was de-quantised from): a different, faster "
+                        "model; speculative decoding is lossless with respect to it (compare with --plain "
+                        "--quantize int4)")
     g.add_argument("--plain", action="store_true", help="plain autoregressive decoding of the target, for comparison")
     g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
     g.add_argument("--json", action="store_true", help="print text, token_ids and statistics as JSON")
@@ -169,9 +177,15 @@ def _guarantee(dtype: torch.dtype, temperature: float, plain: bool) -> str:
     return "lossless w.r.t. the target on tree passes; not token-identical to --plain (use --exact)"
 
 
-def _target_runner(target, choice: str) -> ModelRunner:
-    """The target's runner for ``--runner`` (``fast`` refuses a model the fast path does not cover)."""
-    if choice == "fast" and (reason := fast_supported(target)) is not None:
+def _target_runner(target, choice: str, quantize: str = "none") -> ModelRunner:
+    """The target's runner for ``--runner`` and ``--quantize`` (``fast`` and a quantisation refuse a model
+    the fast path does not cover)."""
+    reason = fast_supported(target)
+    if quantize != "none":
+        if reason is not None:
+            raise CliInputError(f"--quantize {quantize}: {reason}")
+        return make_runner(target, quantize=quantize)
+    if choice == "fast" and reason is not None:
         raise CliInputError(f"--runner fast: {reason}; use --runner eager or auto")
     return make_runner(target, fast=choice != "eager")
 
@@ -187,6 +201,10 @@ def run_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_cli_dtype(args)
+    if args.quantize != "none" and dtype != torch.bfloat16:
+        raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
+                            f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
+                            f"activations several times slower than the unquantised model")
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, dtype=dtype)
     drafter = _drafter(args, target, tokenizer, dtype)
@@ -203,12 +221,13 @@ def run_generate(args) -> int:
             print(text[len(shown["text"]):], end="", flush=True)
             shown["text"] = text
 
-    runner = _target_runner(target, args.runner)
+    runner = _target_runner(target, args.runner, args.quantize)
     result = generate(runner, prompt_ids, drafter, config, tokenizer=tokenizer, callback=stream)
     summary = result.summary()
     info = {"method": "plain" if drafter is None else type(drafter).__name__,
             "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature,
-            "runner": "fast" if isinstance(runner, FastGemmaRunner) else "eager"}
+            "runner": "fast" if isinstance(runner, FastGemmaRunner) else "eager",
+            "quantize": args.quantize}
     if isinstance(drafter, FirstOf):  # which drafter proposed how many trees
         info["method"] = f"FirstOf({', '.join(type(d).__name__ for d in drafter.drafters)})"
         info["proposals"] = drafter.counts
@@ -218,7 +237,8 @@ def run_generate(args) -> int:
                                          "accepted_per_step": [s.accepted for s in result.steps]}}))
     else:
         print()
-        print(f"[{info['method']}, {info['dtype']}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
+        weights = "" if args.quantize == "none" else f", {args.quantize} weights"
+        print(f"[{info['method']}, {info['dtype']}{weights}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
               f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None)}", file=sys.stderr)
     return 0

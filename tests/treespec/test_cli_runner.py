@@ -71,3 +71,30 @@ def test_auto_falls_back_and_fast_is_refused_where_not_covered(capsys, llama_dir
     code, _, err = _run(capsys, llama_dir, "--plain", "--runner", "fast")
     assert code == 2
     assert "--runner fast" in err and "gemma3_text" in err
+
+
+def _run_bf16(capsys, target: str, *argv: str) -> tuple[int, dict | None, str]:
+    code = cli_main(["generate", "w1 w2 w3 w4 w5 w1 w2", "--target", target, "--max-new-tokens", "24",
+                     "--no-stop", "--json", "--threads", "1", "--dtype", "bfloat16", *argv])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else None), err
+
+
+def test_quantized_target_through_the_cli(capsys, gemma_dir, llama_dir):
+    """--quantize int4 runs in bf16 (its kernel's fast dtype); token identity with its own plain decoding
+    is tested in float32 on the library (test_quantized_target.py); here: it runs, says so, and every
+    combination it cannot serve is refused with exit 2 and a reason."""
+    code, plain, err = _run_bf16(capsys, gemma_dir, "--plain", "--quantize", "int4")
+    assert code == 0, err
+    assert plain["statistics"]["quantize"] == "int4" and plain["statistics"]["runner"] == "fast"
+    assert len(plain["token_ids"]) == 24
+    code, spec, err = _run_bf16(capsys, gemma_dir, "--draft", "ngram", "--quantize", "int4")
+    assert code == 0 and len(spec["token_ids"]) == 24, err
+    for argv, words in ((["--dtype", "float32"], ["--quantize int4", "bfloat16"]),
+                        (["--runner", "eager"], ["--quantize int4", "--runner eager"])):
+        code, _, err = _run_bf16(capsys, gemma_dir, "--plain", "--quantize", "int4", *argv)
+        assert code == 2 and all(w in err for w in words), err
+    code, _, err = _run(capsys, gemma_dir, "--plain", "--quantize", "int4")  # --exact: float32
+    assert code == 2 and "--quantize int4" in err and "float32" in err, err
+    code, _, err = _run_bf16(capsys, llama_dir, "--plain", "--quantize", "int4")
+    assert code == 2 and "--quantize int4" in err and "gemma3_text" in err

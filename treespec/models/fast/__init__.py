@@ -13,16 +13,23 @@ from __future__ import annotations
 
 from ..runner import ModelRunner
 from .gemma import FastGemmaRunner, fast_supported
+from .quant import QUANTIZE_MODES
 
 
-def make_runner(model, fast: bool = False) -> ModelRunner:
+def make_runner(model, fast: bool = False, quantize: str | None = None) -> ModelRunner:
     """The runner of ``model``: the fast lean forward where it covers the model (``fast=True``),
-    else the eager Hugging Face reference runner. A runner passed in is returned as it is."""
+    else the eager Hugging Face reference runner. A runner passed in is returned as it is.
+    ``quantize`` (e.g. ``"int4"``, see :mod:`.quant`) needs the fast path and refuses other models."""
     if isinstance(model, ModelRunner):
         return model
+    if quantize is not None:
+        reason = fast_supported(model)
+        if reason is not None:
+            raise ValueError(f"quantize={quantize!r} needs the fast runner: {reason}")
+        return FastGemmaRunner(model, quantize=quantize)
     if fast and fast_supported(model) is None:
         return FastGemmaRunner(model)
     return ModelRunner(model)
 
 
-__all__ = ["FastGemmaRunner", "fast_supported", "make_runner"]
+__all__ = ["QUANTIZE_MODES", "FastGemmaRunner", "fast_supported", "make_runner"]

@@ -41,6 +41,7 @@ from ...sampling import check_finite
 from ...tree import TokenTree
 from ..runner import ModelRunner, finish_forward, forward_inputs, visible_keys
 from .packed import pack_weight, packed_linear, prepack_default
+from .quant import QUANTIZE_MODES, int4_linear, quantize_int4
 from .static_cache import StaticKVCache
 
 
@@ -89,14 +90,21 @@ class FastGemmaRunner(ModelRunner):
     capacity : initial cache slots (the cache doubles when a sequence outgrows it).
     prepack : keep oneDNN-prepacked copies of the linear weights (default: bf16 on CPU, see the
         module docs); False reads the parameters themselves.
+    quantize : ``"int4"``: every linear layer (LM head included) runs on a 4-bit copy of its weight
+        (:mod:`~.quant`; CPU only): a different, smaller model, whose own plain decoding is the
+        baseline that speculative decoding with this runner reproduces. None: the weights as loaded.
     """
 
-    def __init__(self, model: PreTrainedModel, capacity: int = 1024, prepack: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, capacity: int = 1024, prepack: bool | None = None,
+                 quantize: str | None = None) -> None:
         reason = fast_supported(model)
         if reason is not None:
             raise ValueError(f"FastGemmaRunner: {reason}; use ModelRunner")
+        if quantize is not None and quantize not in QUANTIZE_MODES:
+            raise ValueError(f"unknown quantisation {quantize!r}; expected one of {QUANTIZE_MODES} or None")
         self._capacity = capacity
         self._prepack = prepack
+        self.quantize = quantize
         self.kv: StaticKVCache | None = None
         super().__init__(model)  # calls reset()
         self.refresh()
@@ -114,9 +122,15 @@ class FastGemmaRunner(ModelRunner):
         self.embed = base.embed_tokens.weight
         self.embed_scale = base.embed_tokens.embed_scale.to(self.embed.dtype)
         self.lm_head = model.lm_head.weight
-        self.prepacked = self._prepack if self._prepack is not None else prepack_default(self.dtype, self.device)
-        lin = pack_weight if self.prepacked else (lambda w: w)
-        self.lm_head_packed = lin(self.lm_head)
+        if self.quantize == "int4":
+            if self.device.type != "cpu":
+                raise ValueError(f"--quantize int4 runs on the CPU kernel of torch; the model is on {self.device}")
+            self.prepacked = False
+            lin, self.linear = (lambda w: quantize_int4(w, self.dtype)), int4_linear
+        else:
+            self.prepacked = self._prepack if self._prepack is not None else prepack_default(self.dtype, self.device)
+            lin, self.linear = (pack_weight, packed_linear) if self.prepacked else ((lambda w: w), F.linear)
+        self.lm_head_weight = lin(self.lm_head)  # in the form self.linear takes
 
         def one_plus(norm) -> torch.Tensor:
             return 1.0 + norm.weight.float()
@@ -219,7 +233,7 @@ class FastGemmaRunner(ModelRunner):
         q = ids.numel()
         heads, kvh, dim, g, eps = self.num_heads, self.kv_heads, self.head_dim, self.groups, self.eps
         rope = self._rope(q_pos)
-        linear = packed_linear if self.prepacked else F.linear
+        linear = self.linear
         K, V = self.kv.k, self.kv.v
         h = F.embedding(ids, self.embed) * self.embed_scale  # [Q, H]
         for i, (sliding, n_in, wq, wk, wv, n_q, n_k, wo, n_post, n_pre, wg, wu, wd, act, n_ff) in enumerate(self.layers):
@@ -245,7 +259,7 @@ class FastGemmaRunner(ModelRunner):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head, float32, final soft-capping in place (the same values as :meth:`ModelRunner.logits`)."""
-        raw = packed_linear(hidden, self.lm_head_packed) if self.prepacked else F.linear(hidden, self.lm_head)
+        raw = self.linear(hidden, self.lm_head_weight)
         if not self.softcap:  # the check reads the model-dtype logits (half the bytes; same verdict)
             check_finite(raw, type(self.model).__name__)
         logits = raw.float()
