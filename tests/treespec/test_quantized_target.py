@@ -172,3 +172,18 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="multiple of 16"):
         FastGemmaRunner(Gemma3ForCausalLM(one_kv.config).eval(), quantize="int4")
     assert type(make_runner(gemma(), quantize="int4")) is FastGemmaRunner
+
+
+def test_weight_streaming_counts_the_bytes_a_step_reads():
+    from treespec.calibration import measure_weight_stream, runner_weights
+
+    model = gemma(dtype=torch.bfloat16)
+    full_s, full_bytes = measure_weight_stream(model, repeats=1)
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()]}
+    assert full_bytes == sum(params.values())  # the tied embedding / LM head once
+    runner = FastGemmaRunner(model, quantize="int4")
+    _, q_bytes = measure_weight_stream(runner_weights(runner), repeats=1)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # 4-bit codes (half a byte per weight) + a bf16 (scale, offset) pair per 32 weights + the norms
+    assert linear // 2 + linear // 8 <= q_bytes < linear // 2 + linear // 8 + 4 * 32 * 64
+    assert full_s > 0
