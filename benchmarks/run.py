@@ -400,7 +400,7 @@ def markdown(summary: dict, meta: dict) -> str:
              f"warm-up prompt ({st['warmup_tokens']} tokens) per dtype, not measured.",
              "- Speedup = the named baseline's time / the method's time on the same prompt (summed over repeats); "
              "median over prompts and a percentile-bootstrap 95% interval (2,000 resamples, seeded).",
-             "- `treespec generate` default (`--draft auto`): ts_lookup_head at T=0, ts_ngram at T>0. llama.cpp runs "
+             "- `treespec generate` default (`--draft auto`): ts_ngram (n-gram lookup) at every temperature. llama.cpp runs "
              "the Q4_K_M GGUF itself (treespec and HF run its de-quantised weights), so its greedy output is "
              "compared with llama.cpp plain only.",
              ]
