@@ -58,10 +58,14 @@ def tree_nodes(branching: tuple[int, ...]) -> int:
 
 
 def _resolved_draft(args: argparse.Namespace) -> str:
-    """``--draft`` with ``auto`` resolved: n-gram lookup at every temperature, the best measured drafter
-    in bf16 on a native-bf16 CPU (train prompts, benchmarks/results/tuning/2026-11-24-*-bf16-head-*: at T=0
-    it equals or beats lookup+head, at T=1 nothing beats plain decoding by more than noise)."""
-    return "ngram" if args.draft == "auto" else args.draft
+    """``--draft`` with ``auto`` resolved to the best measured drafter of the embedded target in bf16 on a
+    native-bf16 CPU, chosen on train prompts (``benchmarks/results/tuning/``): n-gram lookup at T=0
+    (``2026-11-24-5cbee63-bf16-head-trees``: it equals or beats lookup+head), the shipped head at T>0
+    (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for n-gram lookup). The shipped head fits
+    the embedded Gemma-3-270M only: on any other target ``auto`` is n-gram lookup."""
+    if args.draft != "auto":
+        return args.draft
+    return "head" if args.temperature > 0 and args.target == "embedded" else "ngram"
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -270,3 +270,17 @@ def test_file_missing_a_tensor_is_refused_before_allocation(tmp_path, target):
     path.write_bytes(save(tensors, metadata=meta))
     with pytest.raises(ValueError, match="layer.down.weight stored nothing"):
         EagleHead.load(path, target)
+
+
+def test_draft_auto_is_the_best_measured_drafter_per_temperature():
+    """auto: n-gram lookup at T=0; the shipped head at T>0 on the embedded target (train-prompt tuning runs,
+    see treespec.cli._resolved_draft); n-gram lookup on any other target (the head fits Gemma-3-270M only)."""
+    from treespec.cli import _resolved_draft, build_parser
+
+    def resolved(*argv):
+        return _resolved_draft(build_parser().parse_args(["generate", "x", *argv]))
+
+    assert resolved() == "ngram"
+    assert resolved("--temperature", "0.7") == "head"
+    assert resolved("--temperature", "1", "--target", "some/other-model") == "ngram"
+    assert resolved("--temperature", "1", "--draft", "ngram") == "ngram"
