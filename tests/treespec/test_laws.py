@@ -162,11 +162,11 @@ def test_law_test_twin_detects_the_wrong_law():
     assert _check("iid", q, 2, hub) < 1e-6
 
 
-def test_top_order_equals_the_stable_sort():
-    """Deterministic / greedy-draft children come from ``_top_order`` (one topk over an int64 key);
+def testtop_order_equals_the_stable_sort():
+    """Deterministic / greedy-draft children come from ``top_order`` (one topk over an int64 key);
     its reference is the full stable sort (ties by increasing id). 400 seeded cases with ties, -inf,
     -0.0 next to +0.0, zero probabilities and every k from 0 to V."""
-    from treespec.drafting.laws import _descending_order, _top_order
+    from treespec.drafting.laws import _descending_order, top_order
 
     g = torch.Generator().manual_seed(0)
     for trial in range(400):
@@ -182,4 +182,4 @@ def test_top_order_equals_the_stable_sort():
             q = torch.softmax(q, -1)
             q[:, ::3] = 0.0
         k = int(torch.randint(0, v + 1, (1,), generator=g))
-        assert torch.equal(_top_order(q, k), _descending_order(q)[:, :k]), (trial, k)
+        assert torch.equal(top_order(q, k), _descending_order(q)[:, :k]), (trial, k)

@@ -68,11 +68,11 @@ def _counts(num_children: int | torch.Tensor, m: int, device: torch.device,
 
 def _descending_order(q: torch.Tensor) -> torch.Tensor:
     """Token ids of each row by decreasing q, ties by increasing id: ``[M, V]`` (the reference of
-    :func:`_top_order`)."""
+    :func:`top_order`)."""
     return torch.sort(q, dim=1, descending=True, stable=True).indices
 
 
-def _top_order(q: torch.Tensor, k: int) -> torch.Tensor:
+def top_order(q: torch.Tensor, k: int) -> torch.Tensor:
     """The first ``k`` columns of :func:`_descending_order` (ties by increasing id) without sorting
     the whole row: one ``topk`` over an int64 key that orders by value, then by id. ``q`` ``[M, V]``
     float (no NaN; -inf allowed) -> ``[M, k]`` token ids. A full-vocabulary stable sort costs ~5 ms
@@ -120,9 +120,9 @@ def draw_children(draft_probs: torch.Tensor, num_children: int | torch.Tensor, l
         keys, tokens = torch.topk(keys, k, dim=1, largest=False, sorted=True)
         valid = valid & torch.isfinite(keys)  # truncation at the support of q
     elif law == "deterministic":
-        tokens = _top_order(q, k)  # [M, K]
+        tokens = top_order(q, k)  # [M, K]
     elif law == "greedy_draft":
-        order = _top_order(q, k)  # [M, K] the k best tokens, best first
+        order = top_order(q, k)  # [M, K] the k best tokens, best first
         num_fixed = (counts - 1).clamp(min=0)[:, None]  # [M, 1]
         fixed_mask = torch.zeros_like(q, dtype=torch.bool).scatter_(1, order, cols[None, :] < num_fixed)  # [M, V]
         last = draw(restricted_draft(q, fixed_mask), generator)  # [M, 1]

@@ -41,6 +41,7 @@ import itertools
 import torch
 
 from ..drafting.base import Draft, DraftState
+from ..drafting.laws import top_order
 from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import TokenTree
 from .common import RunnerDrafter
@@ -91,8 +92,8 @@ class DySpecDrafter(RunnerDrafter):
         k = min(limit, logits.shape[-1])
         if law == "deterministic":
             value_q = torch.softmax(logits.float(), dim=-1) if sampling.greedy else logits_to_probs(logits, sampling)
-            vals, toks = torch.sort(value_q, dim=-1, descending=True, stable=True)
-            toks, vals = toks[:, :k], vals[:, :k]
+            toks = top_order(value_q, k)  # [M, k] best first, ties by id (no full-vocabulary sort)
+            vals = value_q.gather(1, toks)
             q = None
             keep = torch.ones_like(vals, dtype=torch.bool)
         else:

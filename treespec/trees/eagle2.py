@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..drafting.base import Draft, DraftState
+from ..drafting.laws import top_order
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
 from .common import RunnerDrafter
@@ -70,8 +71,9 @@ class Eagle2Drafter(RunnerDrafter):
             chain = None
             logp = torch.log_softmax(logits.float(), dim=-1)
             k = min(self.top_k, logp.shape[-1])
-            lp, kids = torch.sort(logp, dim=-1, descending=True, stable=True)
-            lp, kids = lp[:, :k].tolist(), kids[:, :k].tolist()  # one host sync per depth
+            kids = top_order(logp, k)  # [M, k] the k best tokens, ties by id (no full-vocabulary sort)
+            lp = logp.gather(1, kids)
+            lp, kids = lp.tolist(), kids.tolist()  # one host sync per depth
             start = len(tokens)
             for r, node in enumerate(frontier):
                 for j in range(k):
