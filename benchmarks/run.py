@@ -385,6 +385,18 @@ def _fmt(s: dict | None) -> str:
     return f"{s['median']:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
+def cli_default_rows() -> str:
+    """Which rows are the CLI's ``--draft auto`` per temperature, read from the CLI itself."""
+    from treespec.cli import _resolved_draft, build_parser
+
+    rows = {"ngram": "ts_ngram", "head": "ts_head", "lookup+head": "ts_lookup_head"}
+    parts = []
+    for temp in ("0", "1"):
+        draft = _resolved_draft(build_parser().parse_args(["generate", "x", "--temperature", temp]))
+        parts.append(f"{rows.get(draft, draft)} at T={temp}")
+    return ", ".join(parts)
+
+
 def markdown(summary: dict, meta: dict) -> str:
     prov, st = meta["provenance"], meta["settings"]
     mach = prov["machine"]
@@ -400,7 +412,7 @@ def markdown(summary: dict, meta: dict) -> str:
              f"warm-up prompt ({st['warmup_tokens']} tokens) per dtype, not measured.",
              "- Speedup = the named baseline's time / the method's time on the same prompt (summed over repeats); "
              "median over prompts and a percentile-bootstrap 95% interval (2,000 resamples, seeded).",
-             "- `treespec generate` default (`--draft auto`): ts_ngram (n-gram lookup) at every temperature. llama.cpp runs "
+             f"- `treespec generate` default (`--draft auto`, embedded target): {cli_default_rows()}. llama.cpp runs "
              "the Q4_K_M GGUF itself (treespec and HF run its de-quantised weights), so its greedy output is "
              "compared with llama.cpp plain only.",
              ]

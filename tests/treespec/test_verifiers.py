@@ -261,7 +261,7 @@ def test_deterministic_rule_with_repeated_and_invalid_candidates():
     # slots are skipped: the output law stays p exactly, and the choice matches a loop over ranks
     rng = np.random.default_rng(7)
     for xs, valid in [((2, 2, 0), (1, 1, 1)), ((1, 3, 1, 3), (1, 1, 1, 1)), ((0, 4, 0), (1, 0, 1)),
-                      ((3, 3), (1, 1)), ((4, 0, 4), (0, 1, 1)), ((1, 0, 2, 3, 4), (1, 1, 1, 1, 1))]:
+                      ((3, 3), (1, 1)), ((4, 0, 4), (0, 1, 1)), ((3, 0, 4), (0, 1, 1)), ((1, 0, 2, 3, 4), (1, 1, 1, 1, 1))]:
         p = torch.tensor(rng.dirichlet(np.ones(5) * 0.7), dtype=DT)[None]
         tokens, ok = torch.tensor([xs]), torch.tensor([valid], dtype=torch.bool)
         law = output_law(p, None, tokens, ok, VERIFIER_RULES["deterministic"])

@@ -93,7 +93,8 @@ def deterministic_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: to
     a = torch.where(remaining > 0, px / remaining.clamp(min=torch.finfo(torch.float64).tiny), 0.0).clamp(max=1.0)
     alive = torch.cumprod(torch.cat([torch.ones_like(a[:, :1]), 1 - a], dim=1), dim=1)  # [M, K + 1]
     choice = torch.cat([alive[:, :k] * a, alive[:, k:]], dim=1).to(p.dtype)  # [M, K + 1]
-    r = p.scatter(1, torch.where(child_valid, child_tokens, child_tokens[:, :1]), 0.0)  # [M, V]
+    # p without the valid candidates: multiply each candidate's entry by 0 (valid) or 1 (invalid slot)
+    r = p.scatter_reduce(1, child_tokens, (~child_valid).to(p.dtype), reduce="prod")  # [M, V]
     left = row_mass(r)  # [M, 1] mass outside the candidates
     r = torch.where(left > 0, r / left.clamp(min=torch.finfo(torch.float64).tiny).to(p.dtype), p)
     return choice, r

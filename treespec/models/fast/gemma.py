@@ -11,8 +11,10 @@ Weights: in float32 the runner reads the module's parameters directly (no copy).
 with oneDNN it keeps, by default (``prepack``), a oneDNN-blocked copy of every linear weight
 (LM head included: +536 MB for Gemma-3-270M, made once in about 0.5 s): a plain bf16 ``F.linear``
 reorders the whole weight on every call, which made the 262k-row LM head cost about 3x the time
-to read it; the prepacked product gives the same bits (tested against the eager runner). After
-changing weights in place call :meth:`FastGemmaRunner.refresh`.
+to read it; the prepacked product gives the same bits (tested against the eager runner). With
+``quantize="int4"`` every linear weight is replaced by a 4-bit copy (:mod:`~.quant`): another model,
+tested against an eager model holding the de-quantised weights. After changing weights in place call
+:meth:`FastGemmaRunner.refresh`.
 
 Every formula and dtype cast follows ``transformers.models.gemma3.modeling_gemma3`` (5.x):
 
@@ -124,7 +126,7 @@ class FastGemmaRunner(ModelRunner):
         self.lm_head = model.lm_head.weight
         if self.quantize == "int4":
             if self.device.type != "cpu":
-                raise ValueError(f"--quantize int4 runs on the CPU kernel of torch; the model is on {self.device}")
+                raise ValueError(f"quantize='int4' runs on torch's int4 CPU kernel; the model is on {self.device}")
             self.prepacked = False
             lin, self.linear = (lambda w: quantize_int4(w, self.dtype)), int4_linear
         else:
