@@ -270,12 +270,16 @@ def load_prompts(per_subtask: int, humaneval: int = 0, subtasks: tuple[str, ...]
 
 
 def load_train_prompts(per_category: int) -> list[dict]:
-    """Tuning prompts from ../shared/data/train (never the eval set): the last ``per_category`` rows
-    of each category in file order, labelled by category in ``subtask``."""
-    rows = [json.loads(line) for line in TRAIN_PROMPTS.read_text(encoding="utf-8").split("\n") if line.strip()]
+    """Tuning prompts from ../shared/data/train (never the eval set), labelled by category in ``subtask``:
+    the first ``per_category`` rows of each category among the held-out rows of the seeded order
+    (``treespec.distill.corpus.HELD_OUT_FROM`` onwards), which no distillation corpus uses, so a head
+    is never tuned on the prompts it was trained on."""
+    from treespec.distill.corpus import HELD_OUT_FROM, read_prompts
+
+    rows = read_prompts(TRAIN_PROMPTS, seed=0)[HELD_OUT_FROM:]
     chosen: list[dict] = []
     for cat in sorted({r["category"] for r in rows}):
-        chosen += [dict(r, subtask=cat) for r in rows if r["category"] == cat][-per_category:]
+        chosen += [dict(r, subtask=cat) for r in rows if r["category"] == cat][:per_category]
     return chosen
 
 

@@ -278,3 +278,17 @@ def test_resume_accepts_the_same_setup_and_a_commit_that_changed_no_code(tmp_pat
         assert run.check_resumable(tmp_path)["commit"] == "a" * 40
     with pytest.raises(run.ProvenanceError, match="no provenance"):
         run.check_resumable(tmp_path / "missing")
+
+
+@pytest.mark.skipif(not common.TRAIN_PROMPTS.exists(), reason="needs ../shared/data/train")
+def test_tuning_prompts_are_held_out_from_every_corpus_recipe():
+    """Tuning rows come from the held-out part of the seeded order (no head is tuned on its training
+    prompts): none is among rows 0:HELD_OUT_FROM, and every category is represented."""
+    from treespec.distill.corpus import HELD_OUT_FROM, read_prompts
+
+    rows = read_prompts(common.TRAIN_PROMPTS, seed=0)
+    trained = {r["prompt"] for r in rows[:HELD_OUT_FROM]}
+    tuning = common.load_train_prompts(4)
+    assert tuning and not [r for r in tuning if r["prompt"] in trained]
+    categories = {r["category"] for r in rows}
+    assert {r["subtask"] for r in tuning} == categories and len(tuning) == 4 * len(categories)

@@ -95,3 +95,64 @@ def test_options_are_validated():
     with pytest.raises(ValueError, match="at least one token"):
         continue_batch(tiny_model("llama"), [[]], ContinuationOptions(batch_size=1, chunk_size=1), EOS)
     json.dumps(ContinuationOptions().__dict__)  # the recipe is stored as JSON
+
+
+def test_stage_two_teacher_forces_stored_continuations_chunk_by_chunk(tmp_path):
+    """Stage 2 (``build_corpus_from_continuations``): one shard per finished chunk, holding exactly
+    ``prompt + continuation`` (the prompt cut to its last ``max_prompt_tokens``, as when generating),
+    ``gen_start`` = the prompt's length and the hidden states of a one-sequence, unpadded forward;
+    chunks finished later are added by calling again (earlier shards untouched); other prompts are
+    refused by name."""
+    from safetensors.torch import load_file
+
+    from treespec.distill.corpus import CorpusOptions, build_corpus_from_continuations
+
+    model = tiny_model("gemma3", vocab_size=64, seed=2, sliding_window=6, logit_scale=4.0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 16, (10,), generator=g)]
+    opts = ContinuationOptions(mode="greedy", new_tokens=7, max_prompt_tokens=9, batch_size=2, chunk_size=4)
+    cont = tmp_path / "cont"
+    build_continuations(model, prompts, cont, opts, eos=EOS, progress=False)
+    full_manifest = (cont / "manifest.json").read_text()
+    early = dict(json.loads(full_manifest), chunks_done=[0, 2], complete=False)  # chunk 1 "not yet finished"
+    (cont / "manifest.json").write_text(json.dumps(early))
+    copts = CorpusOptions(topk=4, batch_size=3)
+    first = build_corpus_from_continuations(model, prompts, cont, tmp_path / "tf", copts, progress=False)
+    assert [s["chunk"] for s in first["shards"]] == [0, 2] and not first["complete"]
+    kept = (tmp_path / "tf" / "shard-00000.safetensors").read_bytes()
+    (cont / "manifest.json").write_text(full_manifest)
+    man = build_corpus_from_continuations(model, prompts, cont, tmp_path / "tf", copts, progress=False)
+    assert [s["chunk"] for s in man["shards"]] == [0, 2, 1] and man["complete"]
+    assert (tmp_path / "tf" / "shard-00000.safetensors").read_bytes() == kept
+    rows = {r["index"]: r for r in read_continuations(cont)}
+    for sh in man["shards"]:
+        data = load_file(str(tmp_path / "tf" / sh["file"]))
+        lo = sh["chunk"] * opts.chunk_size
+        indices = list(range(lo, min(lo + opts.chunk_size, len(prompts))))
+        off = data["offsets"].tolist()
+        seqs = [data["tokens"][a:b].tolist() for a, b in zip(off, off[1:])]
+        expected = {tuple(prompts[j][-9:] + rows[j]["continuation"]): len(prompts[j][-9:]) for j in indices}
+        assert sorted(map(tuple, seqs)) == sorted(expected)
+        assert [expected[tuple(s)] for s in seqs] == data["gen_start"].tolist()
+        for s, a in zip(seqs, off):
+            with torch.no_grad():
+                ref = model.base_model(input_ids=torch.tensor([s])).last_hidden_state[0]
+            assert torch.allclose(data["hidden"][a:a + len(s)].float(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="other prompts"):
+        build_corpus_from_continuations(model, prompts[:-1], cont, tmp_path / "tf2", copts, progress=False)
+    with pytest.raises(ValueError, match="other prompts"):
+        build_corpus_from_continuations(model, [[1] + p for p in prompts], cont, tmp_path / "tf3", copts,
+                                        progress=False)
+
+
+def test_recipe_rows_refuse_the_held_out_part(tmp_path, capsys):
+    """Rows HELD_OUT_FROM: of the seeded order stay out of every continuation recipe unless asked
+    for by name; refused before any model is loaded (exit 2, one error line)."""
+    from treespec.distill.continuations import main
+    from treespec.distill.corpus import shared_dir
+
+    if not (shared_dir() / "data" / "train" / "train_prompts.jsonl").exists():
+        pytest.skip("needs ../shared/data/train")
+    assert main(["--name", "x", "--rows", "10000:12000", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "held out" in err and "--held-out-rows" in err and not (tmp_path / "x").exists()

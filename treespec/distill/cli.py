@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--continuation", choices=["none", "greedy", "sample"], default="none",
                    help="append the target's own continuation (greedy or T=1) to each prompt")
     b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--continuations", default=None,
+                   help="teacher-force stored continuations (a folder of python -m treespec.distill.continuations), "
+                        "one shard per finished chunk; run again to add chunks finished since")
+    b.add_argument("--rows", default=None,
+                   help="with --continuations: START:END of the seeded prompt order they were generated from "
+                        "(default: what the folder's manifest records)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--time-limit", type=float, default=None, help="minutes; stops after a finished shard")
 
@@ -97,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-prompts", type=int, default=24)
     e.add_argument("--max-prompt-len", type=int, default=512)
     e.add_argument("--new-tokens", type=int, default=64)
+    e.add_argument("--depths", type=int, default=6, help="tree depths measured along the text (1 = first level)")
     e.add_argument("--tau", action="store_true", help="also tau of a chain of 4 in the engine (T=0, T=1)")
     e.add_argument("--tau-prompts", type=int, default=8)
     e.add_argument("--json", default=None, help="write the metrics here too")
@@ -146,7 +153,7 @@ def _training_setup(args, config_cls, load_model):
 def _check_numbers(args) -> None:
     """Options that argparse types cannot bound: a bad value is a :class:`DistillInputError`."""
     lows = {"threads": 1, "max_prompts": 1, "max_len": 2, "num_prompts": 1, "max_prompt_len": 1,
-            "new_tokens": 1, "tau_prompts": 1}
+            "new_tokens": 1, "tau_prompts": 1, "depths": 1}
     for name, low in lows.items():
         value = getattr(args, name, None)
         if value is not None and value < low:
@@ -162,6 +169,43 @@ def _check_target(args) -> None:
     target = getattr(args, "target", "embedded")
     if target != "embedded" and target.startswith(("/", ".", "~")) and not Path(target).expanduser().is_dir():
         raise DistillInputError(f"--target {target}: no such model directory")
+
+
+def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
+    """``build-corpus --continuations DIR``: stage 2 of a corpus (see ``build_corpus_from_continuations``)."""
+    from .corpus import build_corpus_from_continuations, read_prompts
+    from .continuations import MANIFEST
+
+    folder = Path(args.continuations)
+    mpath = folder / MANIFEST
+    if not mpath.is_file():
+        raise DistillInputError(f"--continuations {folder}: no continuation manifest ({MANIFEST}) there")
+    if args.continuation != "none" or args.max_prompts is not None:
+        raise DistillInputError("--continuations takes its prompts and continuations from the folder: "
+                                "drop --continuation / --max-prompts")
+    source = json.loads(mpath.read_text()).get("source", {})
+    rows_arg = args.rows or source.get("rows")
+    if rows_arg is None:
+        raise DistillInputError(f"--continuations {folder}: its manifest does not record the prompt rows; "
+                                "pass --rows START:END as given to the recipe")
+    try:
+        start, _, end = rows_arg.partition(":")
+        lo, hi = int(start or 0), (int(end) if end else None)
+    except ValueError:
+        raise DistillInputError(f"--rows {rows_arg!r}: expected START:END") from None
+    rows = read_prompts(args.prompts, seed=int(source.get("order_seed", 0)))[lo:hi]
+    tok = load_tokenizer(args.target)
+    prompt_ids = [tok(r["prompt"])["input_ids"] for r in rows]  # cut as the recipe cut them, by the reader
+    model = load_model(args.target, dtype=args.dtype)
+    out = Path(args.out) if args.out else _root() / "corpus" / args.name
+    try:
+        man = build_corpus_from_continuations(model, prompt_ids, folder, out, opts, progress=not args.no_progress,
+                                              time_limit_s=None if args.time_limit is None else args.time_limit * 60)
+    except ValueError as err:
+        raise DistillInputError(str(err)) from None
+    print(json.dumps({"corpus": str(out), "positions": man["positions"], "shards": len(man["shards"]),
+                      "sequences": man["sequences_done"], "complete": man["complete"],
+                      "positions_per_s": man["positions"] / max(man["seconds"], 1e-9)}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,9 +236,12 @@ def _run(args) -> None:
         from .corpus import CorpusOptions, build_corpus, check_not_eval, order_for_batching, read_prompts
 
         check_not_eval(args.prompts)
-        rows = read_prompts(args.prompts, limit=args.max_prompts, seed=args.seed)
         opts = CorpusOptions(topk=args.topk, shard_positions=args.shard_positions, batch_size=args.batch_size,
                              continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed)
+        if args.continuations:
+            _build_from_continuations(args, opts, load_model, load_tokenizer)
+            return
+        rows = read_prompts(args.prompts, limit=args.max_prompts, seed=args.seed)
         tok = load_tokenizer(args.target)
         seqs = order_for_batching(_tokenize(tok, rows, args.max_len)) if args.batch_size > 1 else \
             _tokenize(tok, rows, args.max_len)
@@ -254,7 +301,7 @@ def _run(args) -> None:
     else:
         from ..drafting.head import EagleHead
         from .corpus import read_prompts
-        from .evaluate import chain_tau, one_step_metrics, step_cost, target_generations
+        from .evaluate import chain_tau, depth_metrics, step_cost, target_generations
 
         path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
         head = read_head_file(path, EagleHead.load)  # bad files are reported before the target is loaded
@@ -272,11 +319,13 @@ def _run(args) -> None:
                                     progress=not args.no_progress)
         sampled = target_generations(model, prompts, args.new_tokens, 1.0, cache=cache,
                                      progress=not args.no_progress)
-        m0 = one_step_metrics(model, head, prompts, greedy)
-        m1 = one_step_metrics(model, head, prompts, sampled)
+        m0 = depth_metrics(model, head, prompts, greedy, args.depths)
+        m1 = depth_metrics(model, head, prompts, sampled, args.depths)
         result = {"head": path, "prompts": len(prompts), "new_tokens": args.new_tokens, "positions_T0": m0["positions"],
                   "top1_agreement_T0": m0["top1_agreement"], "positions_T1": m1["positions"],
-                  "sum_min_pq_T1": m1["sum_min_pq"], "trained_parameters": head.num_trained_parameters,
+                  "sum_min_pq_T1": m1["sum_min_pq"], "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
+                  "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"], "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
+                  "positions_T0_by_depth": m0["positions_by_depth"], "trained_parameters": head.num_trained_parameters,
                   "vocab_subset": int(head.vocab_ids.numel()), "step_cost": step_cost(model, head),
                   "threads": args.threads, "dtype": str(next(model.parameters()).dtype)}
         if args.tau:

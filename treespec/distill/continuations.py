@@ -137,12 +137,14 @@ def _fingerprint(prompt_ids: list[list[int]], opts: ContinuationOptions, model_n
 
 def build_continuations(model, prompt_ids: list[list[int]], out_dir: str | Path,
                         opts: ContinuationOptions = ContinuationOptions(), *, eos: set[int],
-                        model_name: str = "", time_limit_s: float | None = None, progress: bool = True) -> dict:
+                        model_name: str = "", time_limit_s: float | None = None, progress: bool = True,
+                        source: dict | None = None) -> dict:
     """Generate continuations of ``prompt_ids`` chunk by chunk into ``out_dir``; resumes; returns the manifest.
 
     Chunk ``c`` covers prompts ``[c * chunk_size, (c + 1) * chunk_size)`` and is sampled with a
     generator seeded by ``(seed, c)``, so a chunk's content does not depend on where a run stopped.
-    Stops after a finished chunk once ``time_limit_s`` is spent.
+    Stops after a finished chunk once ``time_limit_s`` is spent. ``source`` (e.g. the prompt file's
+    name and row range) is recorded in the manifest for readers (:func:`continuation_sequences`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +161,9 @@ def build_continuations(model, prompt_ids: list[list[int]], out_dir: str | Path,
         manifest = {"format": FORMAT, "fingerprint": fp, "options": asdict(opts), "model": model_name,
                     "num_prompts": len(prompts), "num_chunks": n_chunks, "chunks_done": [],
                     "generated_tokens": 0, "seconds": 0.0, "complete": False}
+        atomic_write_json(mpath, manifest)
+    if source is not None and manifest.get("source") != source:  # where the prompts came from (a record:
+        manifest["source"] = source  # the fingerprint, not this, is what a later reader checks)
         atomic_write_json(mpath, manifest)
     device = next(model.parameters()).device
     start = time.perf_counter()
@@ -192,6 +197,54 @@ def build_continuations(model, prompt_ids: list[list[int]], out_dir: str | Path,
     return manifest
 
 
+@dataclass(frozen=True)
+class StoredContinuations:
+    """A continuation folder checked against the prompts it was generated from (see
+    :func:`continuation_sequences`)."""
+
+    folder: Path
+    prompts: list  # list[list[int]], every prompt of the recipe, cut as when generating
+    fingerprint: str
+    chunks: list  # list[int], finished chunks
+    num_prompts: int
+    complete: bool
+
+    def chunk(self, c: int) -> tuple[list[list[int]], list[int]]:
+        """Sequences ``prompt + continuation`` of chunk ``c`` and the first generated position of each."""
+        rows = json.loads((self.folder / f"chunk-{c:05d}.json").read_text())["rows"]
+        seqs, gen_start = [], []
+        for r in rows:
+            prompt = self.prompts[r["index"]]
+            if len(prompt) != r["prompt_tokens"]:
+                raise ValueError(f"{self.folder}: chunk {c}, row {r['index']}: prompt length differs from the "
+                                 "stored one (another tokenizer or prompt file)")
+            seqs.append(prompt + [int(t) for t in r["continuation"]])
+            gen_start.append(len(prompt))
+        return seqs, gen_start
+
+
+def continuation_sequences(out_dir: str | Path, prompt_ids: list[list[int]]) -> StoredContinuations:
+    """The finished chunks of a continuation folder, with ``prompt_ids`` checked against its fingerprint.
+
+    ``prompt_ids`` must be every prompt the folder's recipe was given, in order (the fingerprint
+    covers their token ids, the options and the model name): other prompts, another tokenizer or
+    another row range are refused by name instead of silently pairing continuations with the
+    wrong prompts.
+    """
+    out = Path(out_dir)
+    mpath = out / MANIFEST
+    if not mpath.is_file():
+        raise ValueError(f"{out}: no continuation manifest ({MANIFEST})")
+    manifest = json.loads(mpath.read_text())
+    opts = ContinuationOptions(**manifest["options"])
+    prompts = [list(map(int, p))[-opts.max_prompt_tokens:] for p in prompt_ids]
+    if _fingerprint(prompts, opts, manifest.get("model", "")) != manifest["fingerprint"]:
+        raise ValueError(f"{out}: these continuations were generated from other prompts (another prompt file, "
+                         "row range or tokenizer) or another recipe")
+    return StoredContinuations(out, prompts, manifest["fingerprint"], sorted(manifest["chunks_done"]),
+                               manifest["num_prompts"], bool(manifest["complete"]))
+
+
 def read_continuations(out_dir: str | Path) -> list[dict]:
     """Every stored row ``{"index", "prompt_tokens", "continuation"}`` of a continuation folder, by index."""
     out = Path(out_dir)
@@ -206,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from .corpus import check_not_eval, read_prompts
+    from .corpus import HELD_OUT_FROM, check_not_eval, read_prompts
 
     ap = argparse.ArgumentParser(prog="python -m treespec.distill.continuations",
                                  description="the target's own continuations of train prompts, in resumable chunks")
@@ -215,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="parent folder of NAME instead of the cache, e.g. a tracked folder of the repo so that "
                          "finished chunks survive a lost cache")
-    ap.add_argument("--rows", default="0:", help="START:END of the seeded prompt order (seed 0)")
+    ap.add_argument("--rows", default="0:11000",
+                    help="START:END of the seeded prompt order (seed 0); rows 11000: are held out")
     ap.add_argument("--mode", choices=["greedy", "sample"], default="greedy")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -226,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=None, help="minutes; stops after a finished chunk")
+    ap.add_argument("--held-out-rows", action="store_true",
+                    help="allow rows of the held-out part of the seeded order (e.g. continuations to measure on)")
     args = ap.parse_args(argv)
     from ..models.loading import cache_root, load_model, load_tokenizer
     from .cli import DEFAULT_TRAIN
@@ -239,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                                    chunk_size=args.chunk_size, seed=args.seed)
         path = check_not_eval(args.prompts or DEFAULT_TRAIN)
         start, _, end = args.rows.partition(":")
-        rows = read_prompts(path, seed=0)[int(start or 0): int(end) if end else None]
+        all_rows = read_prompts(path, seed=0)
+        stop = int(end) if end else len(all_rows)
+        if stop > HELD_OUT_FROM and not args.held_out_rows:
+            raise ValueError(f"--rows {args.rows}: rows {HELD_OUT_FROM}: of the seeded order are held out for "
+                             "tuning and measurement (pass --held-out-rows to generate from them anyway)")
+        rows = all_rows[int(start or 0): stop]
         if not rows:
             raise ValueError(f"--rows {args.rows} selects no prompts of {path}")
     except ValueError as err:
@@ -253,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (Path(args.out) if args.out else cache_root() / "distill" / "continuations") / args.name
     limit = None if args.time_limit is None else args.time_limit * 60
     manifest = build_continuations(model, prompt_ids, out, opts, eos=eos_token_ids(model),
-                                   model_name="embedded:gemma-3-270m", time_limit_s=limit)
+                                   model_name="embedded:gemma-3-270m", time_limit_s=limit,
+                                   source={"prompts": path.name, "rows": args.rows, "order_seed": 0})
     print(json.dumps({k: manifest[k] for k in ("num_prompts", "num_chunks", "generated_tokens", "seconds",
                                                "complete")} | {"chunks_done": len(manifest["chunks_done"]),
                                                                "dir": str(out)}))

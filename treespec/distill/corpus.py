@@ -35,6 +35,9 @@ from .inputs import DistillInputError, require_dir, require_file
 
 MANIFEST = "manifest.json"
 CORPUS_FORMAT = 1
+#: rows of the train prompts' seeded order (``read_prompts(..., seed=0)``) from here on are held out:
+#: no distillation corpus recipe uses them; tuning and ablations measure on them
+HELD_OUT_FROM = 11000
 
 
 def shared_dir() -> Path:
@@ -195,84 +198,25 @@ def _continue(model, batch: list[list[int]], opts: CorpusOptions, index: int) ->
     return conts
 
 
-@torch.no_grad()
-def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: CorpusOptions = CorpusOptions(), *,
-                 progress: bool = True, time_limit_s: float | None = None) -> dict:
-    """Teacher-force ``model`` on ``seqs`` (token-id lists, each >= 2 tokens) into shards in ``out_dir``.
+class _ShardBuffer:
+    """Teacher-forced positions gathered for the next shard, and how they are written."""
 
-    Resumes an interrupted build. Stops cleanly (after a finished shard) when ``time_limit_s`` is
-    spent; call again to continue. Returns the manifest.
-    """
-    from safetensors.torch import save
-    from tqdm import tqdm
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.clear()
 
-    if opts.continuation not in ("none", "greedy", "sample"):
-        raise DistillInputError(f"continuation must be none / greedy / sample, got {opts.continuation!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
-    seqs = [list(map(int, s)) for s in seqs if len(s) >= 2]
-    fp = _fingerprint(seqs, opts)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    hidden_size = model.get_input_embeddings().weight.shape[1]
-    mpath = out / MANIFEST
-    if mpath.exists():
-        manifest = json.loads(mpath.read_text())
-        if manifest["fingerprint"] != fp:
-            raise DistillInputError(f"{out} holds a corpus built from other inputs or options; use another directory")
-    else:
-        manifest = {"format": CORPUS_FORMAT, "fingerprint": fp, "options": opts.__dict__, "vocab_size": vocab,
-                    "hidden_size": hidden_size, "num_input_sequences": len(seqs), "shards": [],
-                    "positions": 0, "sequences_done": 0, "seconds": 0.0, "complete": False}
-        atomic_write_json(mpath, manifest)
-    device = next(model.parameters()).device
-    done = manifest["sequences_done"]
-    start_time = time.perf_counter()
-    bar = tqdm(total=len(seqs), initial=done, unit="seq", desc="corpus", disable=not progress)
-    buf: dict[str, list] = {"hidden": [], "tokens": [], "ids": [], "logp": [], "lens": [], "gen": []}
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    buf_positions, buf_seqs, t_shard = 0, 0, time.perf_counter()
+    def clear(self) -> None:
+        self.parts: dict[str, list] = {"hidden": [], "tokens": [], "ids": [], "logp": [], "lens": [], "gen": []}
+        self.counts = torch.zeros(self.vocab, dtype=torch.float64)
+        self.positions, self.sequences, self.t0 = 0, 0, time.perf_counter()
 
-    def flush() -> None:
-        nonlocal buf_positions, buf_seqs, counts, t_shard
-        idx = len(manifest["shards"])
-        name = f"shard-{idx:05d}.safetensors"
-        lens = torch.tensor(buf["lens"], dtype=torch.int64)
-        tensors = {
-            "hidden": torch.cat(buf["hidden"]).to(torch.bfloat16).contiguous(),
-            "tokens": torch.cat(buf["tokens"]).to(torch.int32).contiguous(),
-            "topk_ids": torch.cat(buf["ids"]).to(torch.int32).contiguous(),
-            "topk_logp": torch.cat(buf["logp"]).to(torch.float16).contiguous(),
-            "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
-            "gen_start": torch.tensor(buf["gen"], dtype=torch.int64),
-            "counts": counts.float(),
-        }
-        data = save(tensors)  # bytes: safetensors' save_file writes its own temporary, which kill -9 leaves behind
-        atomic_write(out / name, lambda tmp: tmp.write_bytes(data))
-        manifest["shards"].append({"file": name, "sequences": buf_seqs, "positions": buf_positions})
-        manifest["positions"] += buf_positions
-        manifest["sequences_done"] += buf_seqs
-        manifest["seconds"] += time.perf_counter() - t_shard
-        atomic_write_json(mpath, manifest)
-        for v in buf.values():
-            v.clear()
-        counts = torch.zeros(vocab, dtype=torch.float64)
-        buf_positions, buf_seqs, t_shard = 0, 0, time.perf_counter()
-
-    i = done
-    while i < len(seqs):
-        if time_limit_s is not None and time.perf_counter() - start_time > time_limit_s:
-            if buf_seqs:
-                flush()
-            break
-        batch = seqs[i:i + opts.batch_size]
-        conts = _continue(model, batch, opts, i) if opts.continuation != "none" else [[] for _ in batch]
-        full = [s + c for s, c in zip(batch, conts)]
-        gen_start = [len(s) for s in batch]
+    @torch.no_grad()
+    def add(self, model, full: list[list[int]], gen_start: list[int], opts: CorpusOptions) -> None:
+        """One teacher-forced forward over the sequences ``full`` (right-padded batch)."""
+        device = next(model.parameters()).device
         lens = [len(s) for s in full]
-        t = max(lens)
-        ids = torch.zeros(len(full), t, dtype=torch.long)
-        att = torch.zeros(len(full), t, dtype=torch.long)
+        ids = torch.zeros(len(full), max(lens), dtype=torch.long)
+        att = torch.zeros(len(full), max(lens), dtype=torch.long)
         for k, s in enumerate(full):
             ids[k, : len(s)] = torch.tensor(s)
             att[k, : len(s)] = 1
@@ -288,26 +232,141 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
                 top_lp.append(v.cpu())
             top_ids, top_lp = torch.cat(top_ids), torch.cat(top_lp)
             x = torch.tensor(s)
-            counts.index_add_(0, x[1:], torch.ones(len(s) - 1, dtype=torch.float64))
-            counts.index_add_(0, top_ids.flatten(), top_lp.double().exp().flatten())
-            buf["hidden"].append(h.float().cpu())
-            buf["tokens"].append(x)
-            buf["ids"].append(top_ids)
-            buf["logp"].append(top_lp)
-            buf["lens"].append(len(s))
-            buf["gen"].append(gen_start[k])
-            buf_positions += len(s)
-        buf_seqs += len(batch)
+            self.counts.index_add_(0, x[1:], torch.ones(len(s) - 1, dtype=torch.float64))
+            self.counts.index_add_(0, top_ids.flatten(), top_lp.double().exp().flatten())
+            self.parts["hidden"].append(h.float().cpu())
+            self.parts["tokens"].append(x)
+            self.parts["ids"].append(top_ids)
+            self.parts["logp"].append(top_lp)
+            self.parts["lens"].append(len(s))
+            self.parts["gen"].append(gen_start[k])
+            self.positions += len(s)
+        self.sequences += len(full)
+
+    def flush(self, out: Path, manifest: dict, **entry) -> None:
+        """Write the buffer as the next shard (atomically), record it in the manifest, start afresh."""
+        from safetensors.torch import save
+
+        name = f"shard-{len(manifest['shards']):05d}.safetensors"
+        b = self.parts
+        lens = torch.tensor(b["lens"], dtype=torch.int64)
+        tensors = {
+            "hidden": torch.cat(b["hidden"]).to(torch.bfloat16).contiguous(),
+            "tokens": torch.cat(b["tokens"]).to(torch.int32).contiguous(),
+            "topk_ids": torch.cat(b["ids"]).to(torch.int32).contiguous(),
+            "topk_logp": torch.cat(b["logp"]).to(torch.float16).contiguous(),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+            "gen_start": torch.tensor(b["gen"], dtype=torch.int64),
+            "counts": self.counts.float(),
+        }
+        data = save(tensors)  # bytes: safetensors' save_file writes its own temporary, which kill -9 leaves behind
+        atomic_write(out / name, lambda tmp: tmp.write_bytes(data))
+        manifest["shards"].append({"file": name, "sequences": self.sequences, "positions": self.positions, **entry})
+        manifest["positions"] += self.positions
+        manifest["sequences_done"] += self.sequences
+        manifest["seconds"] += time.perf_counter() - self.t0
+        atomic_write_json(out / MANIFEST, manifest)
+        self.clear()
+
+
+def _open_corpus(model, out_dir: str | Path, fingerprint: str, fresh: dict) -> tuple[Path, dict]:
+    """The corpus folder and its manifest (created from ``fresh`` when new; refused when it holds
+    a corpus of other inputs)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    mpath = out / MANIFEST
+    if mpath.exists():
+        manifest = json.loads(mpath.read_text())
+        if manifest["fingerprint"] != fingerprint:
+            raise DistillInputError(f"{out} holds a corpus built from other inputs or options; use another directory")
+        return out, manifest
+    manifest = {"format": CORPUS_FORMAT, "fingerprint": fingerprint,
+                "vocab_size": model.get_output_embeddings().weight.shape[0],
+                "hidden_size": model.get_input_embeddings().weight.shape[1], "shards": [], "positions": 0,
+                "sequences_done": 0, "seconds": 0.0, "complete": False, **fresh}
+    atomic_write_json(mpath, manifest)
+    return out, manifest
+
+
+@torch.no_grad()
+def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: CorpusOptions = CorpusOptions(), *,
+                 progress: bool = True, time_limit_s: float | None = None) -> dict:
+    """Teacher-force ``model`` on ``seqs`` (token-id lists, each >= 2 tokens) into shards in ``out_dir``.
+
+    Resumes an interrupted build. Stops cleanly (after a finished shard) when ``time_limit_s`` is
+    spent; call again to continue. Returns the manifest.
+    """
+    from tqdm import tqdm
+
+    if opts.continuation not in ("none", "greedy", "sample"):
+        raise DistillInputError(f"continuation must be none / greedy / sample, got {opts.continuation!r}")
+    seqs = [list(map(int, s)) for s in seqs if len(s) >= 2]
+    out, manifest = _open_corpus(model, out_dir, _fingerprint(seqs, opts),
+                                 {"options": opts.__dict__, "num_input_sequences": len(seqs)})
+    done = manifest["sequences_done"]
+    start_time = time.perf_counter()
+    bar = tqdm(total=len(seqs), initial=done, unit="seq", desc="corpus", disable=not progress)
+    buf = _ShardBuffer(manifest["vocab_size"])
+    i = done
+    while i < len(seqs):
+        if time_limit_s is not None and time.perf_counter() - start_time > time_limit_s:
+            break
+        batch = seqs[i:i + opts.batch_size]
+        conts = _continue(model, batch, opts, i) if opts.continuation != "none" else [[] for _ in batch]
+        buf.add(model, [s + c for s, c in zip(batch, conts)], [len(s) for s in batch], opts)
         i += len(batch)
         bar.update(len(batch))
-        elapsed = manifest["seconds"] + time.perf_counter() - t_shard
-        bar.set_postfix(pos=manifest["positions"] + buf_positions,
-                        pos_s=f"{(manifest['positions'] + buf_positions) / max(elapsed, 1e-9):.0f}")
-        if buf_positions >= opts.shard_positions:
-            flush()
-    if buf_seqs:
-        flush()
+        elapsed = manifest["seconds"] + time.perf_counter() - buf.t0
+        bar.set_postfix(pos=manifest["positions"] + buf.positions,
+                        pos_s=f"{(manifest['positions'] + buf.positions) / max(elapsed, 1e-9):.0f}")
+        if buf.positions >= opts.shard_positions:
+            buf.flush(out, manifest)
+    if buf.sequences:
+        buf.flush(out, manifest)
     bar.close()
     manifest["complete"] = manifest["sequences_done"] >= len(seqs)
-    atomic_write_json(mpath, manifest)
+    atomic_write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+@torch.no_grad()
+def build_corpus_from_continuations(model, prompt_ids: list[list[int]], continuations_dir: str | Path,
+                                    out_dir: str | Path, opts: CorpusOptions = CorpusOptions(), *,
+                                    progress: bool = True, time_limit_s: float | None = None) -> dict:
+    """Stage 2: teacher-force ``model`` on stored continuations (:mod:`.continuations`), one shard per chunk.
+
+    ``prompt_ids`` are the prompts the continuations were generated from (all of the recipe's rows,
+    in order); they are checked against the continuation folder's fingerprint, so the sequences
+    rebuilt here are exactly ``prompt + continuation`` as generated (``gen_start`` = the prompt's
+    length). Chunks finished later are added by calling again: the corpus follows its continuation
+    folder (its fingerprint is the folder's recipe plus ``opts``), and training may start on the
+    shards that exist. Returns the manifest; ``complete`` once every chunk of a complete folder is in.
+    """
+    from tqdm import tqdm
+
+    from .continuations import continuation_sequences
+
+    if opts.continuation != "none":
+        raise DistillInputError("the continuations are stored already: continuation must be 'none' here")
+    cont = continuation_sequences(continuations_dir, prompt_ids)  # checks the fingerprint
+    fp = hashlib.sha256(json.dumps([cont.fingerprint, opts.__dict__], sort_keys=True).encode()).hexdigest()
+    out, manifest = _open_corpus(model, out_dir, fp, {"options": opts.__dict__,
+                                                      "continuations": cont.fingerprint,
+                                                      "num_input_sequences": cont.num_prompts})
+    done = {sh["chunk"] for sh in manifest["shards"]}
+    todo = [c for c in cont.chunks if c not in done]
+    start_time = time.perf_counter()
+    buf = _ShardBuffer(manifest["vocab_size"])
+    for c in tqdm(todo, unit="chunk", desc="corpus", disable=not progress):
+        if time_limit_s is not None and time.perf_counter() - start_time > time_limit_s:
+            break
+        seqs, gen_start = cont.chunk(c)
+        order = sorted(range(len(seqs)), key=lambda k: (len(seqs[k]), k))  # similar lengths share a batch
+        for s in range(0, len(order), opts.batch_size):
+            idx = order[s:s + opts.batch_size]
+            buf.add(model, [seqs[k] for k in idx], [gen_start[k] for k in idx], opts)
+        buf.flush(out, manifest, chunk=c)
+    manifest["complete"] = cont.complete and len(manifest["shards"]) == len(cont.chunks)
+    atomic_write_json(out / MANIFEST, manifest)
     return manifest

@@ -4,7 +4,8 @@
   the head's most likely token equals the target's;
 * ``acceptance_t1`` (T=1): over the positions of the target's sampled (T=1) continuations, the
   mean single-draft acceptance ``sum_x min(p(x), q(x))``;
-both teacher-forced, one step ahead from the target's true hidden state (the head's first level).
+both teacher-forced from the target's true hidden states, at the head's first level and (``depth_metrics``)
+at deeper tree levels along the same text.
 * ``step_cost``: one head step (one token, with cache, subset logits) / one target step (one token,
   with cache, full logits), median wall time on this machine.
 * ``tau`` (optional): tokens per target pass of a chain in the engine at T=0 and T=1.
@@ -50,23 +51,43 @@ def target_generations(model, prompts: list[list[int]], new_tokens: int, tempera
 
 
 @torch.no_grad()
-def one_step_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[list[int]]) -> dict:
-    """Top-1 agreement and sum min(p, q) (T=1) of the head's first level over generated positions."""
-    agree, accept, n = 0.0, 0.0, 0
+def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[list[int]], depths: int = 1) -> dict:
+    """Top-1 agreement and sum min(p, q) of the head at tree depths ``1..depths`` over generated positions.
+
+    Depth ``k`` at position ``j`` is the head's q for the node ``k`` levels below a root at
+    ``j - k + 1`` whose path follows the text (:meth:`EagleHead.unroll`): along the target's greedy
+    text, its top-1 agreement is the acceptance of depth ``k`` of a chain given that depths
+    ``1..k-1`` were accepted; along sampled text, sum min(p, q) is the single-draft acceptance there.
+    Positions whose depth-``k`` root would precede position 1 are left out of depth ``k``.
+    Returns per-depth lists ``top1_agreement_by_depth``, ``sum_min_pq_by_depth``, ``positions_by_depth``
+    and the depth-1 values as ``top1_agreement`` / ``sum_min_pq`` / ``positions``.
+    """
+    if depths < 1:
+        raise ValueError("depths must be >= 1")
+    agree, accept, count = [0.0] * depths, [0.0] * depths, [0] * depths
     device = head.fc.weight.device
     for prompt, gen in zip(prompts, gens):
         if not gen:
             continue
         seq = torch.tensor(prompt + gen, device=device)
         h = model.base_model(input_ids=seq[None]).last_hidden_state[0].float()  # [n, H]
-        feats = head(h[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=device)[None])[0]
-        lo, hi = max(len(prompt) - 1, 1), seq.numel() - 1  # positions j predicting generated tokens
-        p = torch.softmax(lm_logits(model, h[lo:hi]), dim=-1)  # [g, V]
-        q_sub = torch.softmax(head.logits(feats[lo - 1:hi - 1]), dim=-1)  # feats[j - 1] is position j
-        agree += float((head.vocab_ids[q_sub.argmax(-1)] == p.argmax(-1)).sum())
-        accept += float(torch.minimum(p[:, head.vocab_ids], q_sub).sum())
-        n += hi - lo
-    return {"positions": n, "top1_agreement": agree / max(n, 1), "sum_min_pq": accept / max(n, 1)}
+        feats = head.unroll(h[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=device)[None], depths)
+        hi = seq.numel() - 1  # positions j in [lo, hi) predict generated tokens
+        p = torch.softmax(lm_logits(model, h[max(len(prompt) - 1, 1):hi]), dim=-1)  # [g, V]
+        top_p = p.argmax(-1)
+        for k in range(1, depths + 1):
+            lo = max(len(prompt) - 1, k)  # feats[.][j - 1] is position j; depth k needs j >= k
+            if lo >= hi:
+                continue
+            pk = p[lo - max(len(prompt) - 1, 1):]
+            q_sub = torch.softmax(head.logits(feats[k - 1][0, lo - 1:hi - 1]), dim=-1)  # [g_k, |S|]
+            agree[k - 1] += float((head.vocab_ids[q_sub.argmax(-1)] == top_p[-pk.shape[0]:]).sum())
+            accept[k - 1] += float(torch.minimum(pk[:, head.vocab_ids], q_sub).sum())
+            count[k - 1] += hi - lo
+    by_agree = [a / max(n, 1) for a, n in zip(agree, count)]
+    by_accept = [a / max(n, 1) for a, n in zip(accept, count)]
+    return {"positions": count[0], "top1_agreement": by_agree[0], "sum_min_pq": by_accept[0],
+            "positions_by_depth": count, "top1_agreement_by_depth": by_agree, "sum_min_pq_by_depth": by_accept}
 
 
 @torch.no_grad()

@@ -59,6 +59,8 @@ class TrainConfig:
     head_dim: int | None = None
     intermediate_size: int | None = None
     feature_noise: float = 0.0  # uniform noise on input features (EAGLE), relative to their RMS
+    depths: int = 1  # tree depths trained (> 1: the training-time test, EAGLE-3 arXiv 2503.01840)
+    depth_decay: float = 0.8  # loss weight of depth k: depth_decay ** (k - 1), normalised over the depths
     steps_per_shard: int = 50  # consecutive steps drawn from one shard (fewer loads)
     ckpt_every: int = 200
     keep_ckpts: int = 2
@@ -68,10 +70,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "vocab_size", "num_heads", "steps_per_shard", "ckpt_every",
-                     "keep_ckpts"):
+                     "keep_ckpts", "depths"):
             if getattr(self, name) < 1:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "weight_decay", "w_soft", "w_hard", "w_feat", "feature_noise"):
+        for name in ("warmup", "weight_decay", "w_soft", "w_hard", "w_feat", "feature_noise", "depth_decay"):
             if not getattr(self, name) >= 0:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or not self.grad_clip > 0:
@@ -186,6 +188,14 @@ class ShardSampler:
 
 def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: torch.Tensor,
                    autocast=nullcontext()) -> dict[str, torch.Tensor]:
+    """Losses of one batch, at every trained depth (``cfg.depths``; depth 1 = the teacher-forced pass).
+
+    The depth-``k`` feature at window entry ``j`` comes from :meth:`EagleHead.unroll` (the node ``k``
+    levels below a root at ``j - k + 1``) and has the same targets as depth 1 at ``j``: the target's
+    distribution after ``x_j``, the next token and ``h_j``. Entries ``j < k - 1`` have no root inside
+    the window and are left out. Returned: the weighted ``total``, the depth-weighted ``soft`` /
+    ``hard`` / ``feat``, ``agree`` (depth 1) and ``agree_d{k}`` per depth.
+    """
     device = head.fc.weight.device
     b = {k: v.to(device) for k, v in batch.items()}
     hin = b["hidden_in"]
@@ -193,9 +203,27 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
         rms = hin.pow(2).mean(-1, keepdim=True).sqrt()
         hin = hin + (torch.rand_like(hin) * 2 - 1) * cfg.feature_noise * rms
     with autocast:
-        feat = head(hin, b["tokens"], b["positions"], b["mask"])
-    m = b["mask"]
-    feat = feat.float()[m]  # [P, H]
+        feats = head.unroll(hin, b["tokens"], b["positions"], cfg.depths)  # depths x [B, T, H]
+    weights = [cfg.depth_decay ** k for k in range(cfg.depths)]
+    norm = sum(weights) or 1.0
+    losses: dict[str, torch.Tensor] = {}
+    index = torch.arange(b["mask"].shape[1], device=device)[None]  # [1, T]
+    for k, (feat_k, w) in enumerate(zip(feats, weights), start=1):
+        m = b["mask"] & (index >= k - 1)  # [B, T]
+        if not bool(m.any()):
+            continue
+        part = _depth_losses(head, feat_k.float()[m], b, m, cfg, sub_index)
+        for name in ("soft", "hard", "feat"):
+            losses[name] = losses.get(name, 0.0) + part[name] * (w / norm)
+        losses[f"agree_d{k}"] = part["agree"]
+    losses["agree"] = losses["agree_d1"]
+    losses["total"] = cfg.w_soft * losses["soft"] + cfg.w_hard * losses["hard"] + cfg.w_feat * losses["feat"]
+    return losses
+
+
+def _depth_losses(head: EagleHead, feat: torch.Tensor, b: dict, m: torch.Tensor, cfg: TrainConfig,
+                  sub_index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """soft / hard / feature losses and top-1 agreement of features ``feat`` ``[P, H]`` at entries ``m``."""
     logq = torch.log_softmax(head.logits(feat), dim=-1)  # [P, |S|]
     target_h = b["hidden_out"][m]
     losses = {}
@@ -216,7 +244,6 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     hard = torch.where(nxt >= 0, sub_index[nxt.clamp(min=0)], -1)
     losses["hard"] = F.cross_entropy(logq, hard, ignore_index=-1) if bool((hard >= 0).any()) else logq.sum() * 0
     losses["feat"] = (feat - target_h).pow(2).mean() / target_h.pow(2).mean().clamp(min=1e-12)
-    losses["total"] = cfg.w_soft * losses["soft"] + cfg.w_hard * losses["hard"] + cfg.w_feat * losses["feat"]
     with torch.no_grad():
         losses["agree"] = (head.vocab_ids[logq.argmax(-1)] == target_top1).float().mean()
     return losses
@@ -297,7 +324,9 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
         return compute_losses(head, batch, cfg, sub_index, autocast)
 
     def on_step(step: int, losses: dict) -> None:
-        for k in ("total", "soft", "feat", "agree"):
+        for k in ("total", "soft", "feat", "agree", *(f"agree_d{d}" for d in range(2, cfg.depths + 1))):
+            if k not in losses:  # a batch of windows shorter than depth k
+                continue
             v = float(losses[k].detach())
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         bar.update(1)

@@ -131,19 +131,63 @@ class EagleHead(SubsetHead):
         return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
 
     # ------------------------------------------------------------------ training forward
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Teacher-forced parallel pass: ``hidden`` ``[B, T, H]`` (h_{j-1}), ``tokens`` ``[B, T]`` (x_j),
-        ``positions`` ``[B, T]``, ``key_mask`` ``[B, T]`` bool (False = padding). Returns features ``[B, T, H]``."""
-        x = self.inputs(hidden, tokens)
-        q, k, v = self.layer.qkv_heads(x, positions)
-        t = x.shape[1]
-        allow = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None, None]
-        if key_mask is not None:
-            allow = allow & key_mask[:, None, None, :]
-            allow = allow | torch.eye(t, dtype=torch.bool, device=x.device)  # padded queries see themselves
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=allow)
-        return self.out_norm(self.layer.finish(x, att))
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced parallel pass (depth 1 of :meth:`unroll`): ``hidden`` ``[B, T, H]`` (h_{j-1}),
+        ``tokens`` ``[B, T]`` (x_j), ``positions`` ``[B, T]``; right-padded rows allowed. Returns
+        features ``[B, T, H]``."""
+        return self.unroll(hidden, tokens, positions, 1)[0]
+
+    def unroll(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, depths: int
+               ) -> list[torch.Tensor]:
+        """The head's features at tree depths ``1..depths`` along sequences, one parallel pass per depth.
+
+        What :class:`~treespec.drafting.head_runner.HeadRunner` computes inside a tree whose path
+        follows the sequence: the depth-``k`` entry at index ``j`` belongs to the tree rooted ``k - 1``
+        tokens earlier; it reads its parent's feature (depth ``k - 1`` at ``j - 1``) instead of the
+        target's hidden state and attends to the depth-1 (true-input) entries ``i <= j - k + 1`` plus
+        its ancestors, the depth-``m`` entries at ``j - k + m`` (``m = 2..k``). Depth 1 is
+        :meth:`forward`. Training on depths > 1 is the training-time test of EAGLE-3 (Li et al.,
+        "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time
+        Test", arXiv 2503.01840): the head learns from the inputs it will see when drafting deep levels.
+
+        Parameters
+        ----------
+        hidden : torch.Tensor
+            ``[B, T, H]`` the target's hidden states ``h_{j-1}`` of each entry.
+        tokens, positions : torch.Tensor
+            ``[B, T]`` the entries' tokens ``x_j`` and positions. Windows may be right-padded: an entry
+            only sees entries before it, so padding at the end never reaches a real entry.
+        depths : int
+            Number of depths (>= 1).
+
+        Returns
+        -------
+        list of torch.Tensor
+            ``depths`` tensors ``[B, T, H]``; at depth ``k`` the first ``k - 1`` entries of every row
+            have no root inside the window (their values are meaningless; leave them out of any use).
+        """
+        if depths < 1:
+            raise ValueError("depths must be >= 1")
+        t, device = tokens.shape[1], tokens.device
+        j = torch.arange(t, device=device)[:, None]  # query entry
+        i = torch.arange(t, device=device)[None, :]  # key entry
+        keys, values, outs = [], [], []
+        for k in range(1, depths + 1):
+            if k == 1:
+                inp = hidden
+            else:  # the parent's feature: depth k - 1 at j - 1 (zeros where no parent exists)
+                inp = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
+            x = self.inputs(inp, tokens)  # [B, T, H]
+            q, kk, v = self.layer.qkv_heads(x, positions)
+            keys.append(kk)
+            values.append(v)
+            blocks = [i <= j - k + 1] + [i == j - k + m for m in range(2, k + 1)]
+            mask = torch.cat(blocks, dim=1)  # [T, k * T]
+            mask[:, 0] |= ~mask.any(dim=1)  # entries without a root attend somewhere (their output is unused)
+            att = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                                 attn_mask=mask[None, None])
+            outs.append(self.out_norm(self.layer.finish(x, att)))
+        return outs
 
     # ------------------------------------------------------------------ drafting
     def as_runner(self):

@@ -103,9 +103,11 @@ class HeadRunner:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
-                *, need_logits: bool = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
+                *, need_logits: bool | str = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
         """Append ``chain`` (committed, causal) then tree ``nodes``; returns ``logits`` ``[n, V]`` of the nodes.
 
+        ``need_logits="subset"``: ``logits`` ``[n, |S|]`` on the head's vocabulary subset and
+        ``vocab_ids`` ``[|S|]`` (what the tree builders ask for: no full-vocabulary rows per level).
         A node's parent must have been fed by an earlier call (the head reads its output feature).
         """
         device, head = self.device, self.head
@@ -172,7 +174,10 @@ class HeadRunner:
             self.features[nodes] = node_out.float()
             self.fed[nodes] = True
             self.slots.extend(node_list)
-            if need_logits:
+            if need_logits == "subset":
+                result["logits"] = head.logits(node_out)  # [n, |S|]
+                result["vocab_ids"] = head.vocab_ids
+            elif need_logits:
                 logits = torch.full((n, self.vocab_size), float("-inf"), device=device)
                 logits[:, head.vocab_ids] = head.logits(node_out)
                 result["logits"] = logits
@@ -220,10 +225,9 @@ def head_depth_logits(head: EagleHead, target, ids: torch.Tensor, depths: int
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Target logits and the head's logits at tree depths ``1..depths`` along one sequence (measurement).
 
-    Emulates, in one parallel pass per depth, what :class:`HeadRunner` computes inside a tree whose
-    path follows the sequence: the depth-``k`` distribution at position ``j`` comes from the node at
-    position ``j`` whose root sits at ``r = j - k + 1``; that node's entry reads its parent's output
-    feature (depth ``k - 1`` at ``j - 1``) and sees the true entries up to ``r`` plus its ancestors.
+    Emulates, in one parallel pass per depth (:meth:`EagleHead.unroll`), what :class:`HeadRunner`
+    computes inside a tree whose path follows the sequence: the depth-``k`` distribution at position
+    ``j`` comes from the node at position ``j`` whose root sits at ``r = j - k + 1``.
     Returns ``t_logits`` ``[L - 1, V]`` (row ``i`` = position ``i + 1``) and, per depth ``k``, the head's
     logits ``[L - 1, V]`` whose first ``k - 1`` rows are undefined (NaN: no root before position 1).
     """
@@ -233,28 +237,8 @@ def head_depth_logits(head: EagleHead, target, ids: torch.Tensor, depths: int
         hidden = target.base_model(input_ids=ids).last_hidden_state.float()[0]  # [L, H]
         t_logits = target(ids).logits[0, 1:].float()  # [L - 1, V]
         n = ids.shape[1] - 1  # entries at positions 1..L-1
-        toks = ids[0, 1:]
         positions = torch.arange(1, n + 1, device=ids.device)
-        layer = head.layer
-        keys, values, outs = [], [], []
-        for k in range(1, depths + 1):
-            if k == 1:
-                inp = hidden[:-1]  # h_{j-1}
-            else:  # the parent's feature: depth k - 1 at position j - 1 (zeros where undefined)
-                inp = torch.cat([torch.zeros_like(outs[-1][:1]), outs[-1][:-1]])
-            x = head.inputs(inp, toks)[None]  # [1, n, H]
-            q, kk, v = layer.qkv_heads(x, positions[None])
-            keys.append(kk)
-            values.append(v)
-            # query (k, j) sees level-1 keys at i <= j - k + 1 and level-m keys at j - k + m (m = 2..k)
-            j = torch.arange(n, device=ids.device)[:, None]  # entry index = position - 1
-            i = torch.arange(n, device=ids.device)[None, :]
-            blocks = [i <= j - k + 1] + [i == j - k + m for m in range(2, k + 1)]
-            mask = torch.cat(blocks, dim=1)  # [n, k * n]
-            mask[:, 0] |= ~mask.any(dim=1)  # undefined rows (j < k - 1) attend somewhere; dropped below
-            att = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                                 attn_mask=mask[None, None])
-            outs.append(head.out_norm(layer.finish(x, att))[0])  # [n, H]
+        outs = [f[0] for f in head.unroll(hidden[None, :-1], ids[:, 1:], positions[None], depths)]  # [n, H] each
         d_all = []
         for k, f in enumerate(outs, start=1):
             d = torch.full_like(t_logits, float("-inf"))

@@ -133,8 +133,12 @@ class DraftRunner(Protocol):
         """Read what the engine offers at the start of a proposal (a :class:`DraftState`)."""
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
-                *, need_logits: bool = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
-        """Append ``chain`` (committed) then tree ``nodes``; ``logits`` ``[n, V]`` of the nodes."""
+                *, need_logits: bool | str = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
+        """Append ``chain`` (committed) then tree ``nodes``; ``logits`` ``[n, V]`` of the nodes.
+
+        ``need_logits="subset"``: a runner that scores only a vocabulary subset (a draft head) may
+        return ``logits`` ``[n, |S|]`` with ``vocab_ids`` ``[|S|]`` instead; any other runner returns
+        its usual logits (a truthy ``need_logits``)."""
 
     def commit(self, nodes: list[int]) -> None:
         """Keep the accepted root path ``nodes`` and drop the other tree entries."""

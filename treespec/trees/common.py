@@ -8,12 +8,52 @@ proposal records, for every node of the proposed tree, the runner's node index (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..drafting.base import DraftState
 from ..models.compat import check_draft_vocab
 from ..models.runner import DraftRunner, as_runner
 from ..verify import VerifyResult
+
+
+@dataclass(frozen=True)
+class DraftLogits:
+    """Draft logits of some tree nodes, over the draft's own vocabulary.
+
+    ``logits`` ``[M, Vs]`` cover the whole target vocabulary (``vocab_ids`` None, ``Vs = V``) or a
+    sorted subset of it (``vocab_ids`` ``[Vs]``: a head that scores only its subset; its probability
+    is exactly 0 elsewhere). Builders select and draw on the ``Vs`` columns (ids ascend, so ties
+    broken by column are broken by token id, as on the full vocabulary) and map columns to token
+    ids with :meth:`token_ids`; only the q rows handed to the verifier are spread to the full
+    vocabulary, once per proposal (:meth:`spread`).
+    """
+
+    logits: torch.Tensor  # [M, Vs]
+    vocab_ids: torch.Tensor | None  # [Vs] ascending target ids, or None
+    vocab_size: int  # V, the target's
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Column indices ``[...]`` -> target token ids (negative entries stay as they are)."""
+        if self.vocab_ids is None:
+            return columns
+        return torch.where(columns >= 0, self.vocab_ids[columns.clamp(min=0)], columns)
+
+    def spread(self, rows: torch.Tensor) -> torch.Tensor:
+        """Probability rows ``[N, Vs]`` over these columns -> ``[N, V]`` (zeros outside the subset)."""
+        if self.vocab_ids is None:
+            return rows
+        full = rows.new_zeros(rows.shape[0], self.vocab_size)
+        return full.index_copy_(1, self.vocab_ids, rows)
+
+    def at_least(self, columns: int) -> "DraftLogits":
+        """This, or the full-vocabulary version when the subset has fewer than ``columns`` tokens
+        (a law drawing that many distinct children needs them)."""
+        if self.vocab_ids is None or self.logits.shape[-1] >= columns:
+            return self
+        full = self.logits.new_full((self.logits.shape[0], self.vocab_size), float("-inf"))
+        return DraftLogits(full.index_copy_(1, self.vocab_ids, self.logits), None, self.vocab_size)
 
 
 class RunnerDrafter:
@@ -63,12 +103,15 @@ class RunnerDrafter:
         if chain is not None and chain.numel():
             self.runner.forward(None, None, chain, need_logits=False)
 
-    def _forward(self, tree, nodes: list[int], chain: torch.Tensor | None) -> torch.Tensor:
-        """Draft logits ``[len(nodes), V]`` (padded) of tree ``nodes``."""
+    def _forward(self, tree, nodes: list[int], chain: torch.Tensor | None) -> DraftLogits:
+        """Draft logits of tree ``nodes`` (``len(nodes)`` rows): on the runner's vocabulary subset when
+        it scores one (``need_logits="subset"``), else on the full vocabulary (padded)."""
         idx = torch.tensor(nodes, dtype=torch.long, device=self.runner.device)
-        out = self.runner.forward(tree, idx, chain)
+        out = self.runner.forward(tree, idx, chain, need_logits="subset")
         self.draft_forwards += 1
-        return self._pad(out["logits"][-len(nodes):])
+        logits = out["logits"][-len(nodes):]
+        ids = out.get("vocab_ids")
+        return DraftLogits(self._pad(logits) if ids is None else logits, ids, self.vocab_size)
 
     def accept(self, result: VerifyResult, emitted: list[int]) -> None:
         accepted = result.accepted_nodes[: max(len(emitted) - 1, 0)]

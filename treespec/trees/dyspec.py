@@ -44,7 +44,7 @@ from ..drafting.base import Draft, DraftState
 from ..drafting.laws import top_order
 from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import TokenTree
-from .common import RunnerDrafter
+from .common import DraftLogits, RunnerDrafter
 
 VARIANTS = ("heap", "threshold")
 
@@ -86,9 +86,12 @@ class DySpecDrafter(RunnerDrafter):
         return "deterministic" if sampling.greedy else self.draft_law
 
     # ------------------------------------------------------------------ per-node draws
-    def _draws(self, logits: torch.Tensor, sampling: SamplingConfig, law: str, limit: int,
+    def _draws(self, draft: DraftLogits, sampling: SamplingConfig, law: str, limit: int,
                generator: torch.Generator | None) -> tuple[torch.Tensor | None, list[list[int]], list[list[float]]]:
-        """For each row: q (or None), its tokens in draw order (at most ``limit``), their q values."""
+        """For each row: q ``[M, V]`` (or None), its tokens in draw order (at most ``limit``), their q values.
+
+        Selection and draws run on the draft's own columns (its vocabulary subset, for a head)."""
+        logits = draft.logits
         k = min(limit, logits.shape[-1])
         if law == "deterministic":
             value_q = torch.softmax(logits.float(), dim=-1) if sampling.greedy else logits_to_probs(logits, sampling)
@@ -103,6 +106,8 @@ class DySpecDrafter(RunnerDrafter):
             keys, toks = torch.topk(keys, k, dim=-1, largest=False, sorted=True)
             vals = q.gather(1, toks)
             keep = torch.isfinite(keys)  # the support of q ends the draws
+        toks = draft.token_ids(toks)
+        q = None if q is None else draft.spread(q)  # [M, V] for the verifier
         host = torch.cat([toks.double(), vals.double(), keep.double()], dim=1).tolist()  # one host sync
         tok_lists, val_lists = [], []
         for row in host:
@@ -143,9 +148,9 @@ class DySpecDrafter(RunnerDrafter):
     def _forward_nodes(self, nodes: list[int], law: str, sampling: SamplingConfig,
                        generator: torch.Generator | None, limit: int) -> None:
         tree = TokenTree.from_lists(self._parents, self._tokens, law, self.runner.device)
-        logits = self._forward(tree, nodes, self._chain)
+        draft = self._forward(tree, nodes, self._chain)
         self._chain = None
-        q, toks, vals = self._draws(logits, sampling, law, limit, generator)
+        q, toks, vals = self._draws(draft, sampling, law, limit, generator)
         for r, node in enumerate(nodes):
             self._cands[node] = (toks[r], vals[r])
             self._drawn[node], self._mass[node] = 0, 0.0

@@ -67,13 +67,13 @@ class Eagle2Drafter(RunnerDrafter):
                     r_parents.append(to_runner[parents[c]])
                     r_tokens.append(tokens[c])
             tree = TokenTree.from_lists(r_parents, r_tokens, "deterministic", device)
-            logits = self._forward(tree, [to_runner[c] for c in frontier], chain)  # [M, V]
+            draft = self._forward(tree, [to_runner[c] for c in frontier], chain)  # [M, Vs] (a subset for heads)
             chain = None
-            logp = torch.log_softmax(logits.float(), dim=-1)
+            logp = torch.log_softmax(draft.logits.float(), dim=-1)
             k = min(self.top_k, logp.shape[-1])
-            kids = top_order(logp, k)  # [M, k] the k best tokens, ties by id (no full-vocabulary sort)
-            lp = logp.gather(1, kids)
-            lp, kids = lp.tolist(), kids.tolist()  # one host sync per depth
+            cols = top_order(logp, k)  # [M, k] the k best columns, ties by id (no full-vocabulary sort)
+            lp = logp.gather(1, cols)
+            lp, kids = lp.tolist(), draft.token_ids(cols).tolist()  # one host sync per depth
             start = len(tokens)
             for r, node in enumerate(frontier):
                 for j in range(k):

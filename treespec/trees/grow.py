@@ -83,23 +83,24 @@ class ShapeDrafter(RunnerDrafter):
             if not expand:
                 break
             tree = TokenTree.from_lists(parents, tokens, law, device)
-            logits = self._forward(tree, expand, chain)  # [M, V]
+            counts = [len(kids_of[template[i]]) for i in expand]
+            draft = self._forward(tree, expand, chain).at_least(max(counts))  # [M, Vs] (a subset for heads)
             chain = None
-            counts = torch.tensor([len(kids_of[template[i]]) for i in expand], dtype=torch.long, device=device)
+            counts = torch.tensor(counts, dtype=torch.long, device=device)
             confident = None  # [M, k] bool: the child's draft probability reaches min_confidence
             if law == "deterministic":
-                drafts = draw_children(logits, counts, "deterministic")  # top-k of the logits
+                drafts = draw_children(draft.logits, counts, "deterministic")  # top-k of the logits
                 if self.min_confidence > 0.0:
-                    conf = torch.softmax(logits.float(), dim=-1).gather(1, drafts.tokens.clamp(min=0))
+                    conf = torch.softmax(draft.logits.float(), dim=-1).gather(1, drafts.tokens.clamp(min=0))
                     confident = (conf >= self.min_confidence).tolist()
             else:
-                q = logits_to_probs(logits, sampling)  # [M, V]
+                q = logits_to_probs(draft.logits, sampling)  # [M, Vs]
                 drafts = draw_children(q, counts, law, generator)
-                rows.append(q)
+                rows.append(draft.spread(q))  # [M, V] for the verifier
                 expanded.extend(expand)
                 if self.min_confidence > 0.0:
                     confident = (q.gather(1, drafts.tokens.clamp(min=0)) >= self.min_confidence).tolist()
-            toks, valid = drafts.tokens.tolist(), drafts.valid.tolist()  # one host sync per level
+            toks, valid = draft.token_ids(drafts.tokens).tolist(), drafts.valid.tolist()  # one host sync per level
             frontier = []
             for r, node in enumerate(expand):
                 for j, child_template in enumerate(kids_of[template[node]]):

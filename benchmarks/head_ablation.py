@@ -1,0 +1,146 @@
+"""Head ablations (issue 15): train variants of the draft head one change at a time, measure each on held-out rows.
+
+Every variant trains from scratch on the same stage-2 corpora (recipes/head_v2_train.sh, STAGE=corpus),
+with the same seed, steps and batch, differing from the base only in the options it names. Each is
+then measured on held-out train prompts (rows ``HELD_OUT_FROM:`` of the seeded order, which no corpus
+uses; never the eval set): the target's own greedy and sampled (T=1) continuations, the head's top-1
+agreement and sum min(p, q) at tree depths 1..6 along them (``treespec.distill.evaluate.depth_metrics``;
+depth k = the node k levels below a root whose path follows the text), and one head step against one
+target step.
+
+    python benchmarks/head_ablation.py --steps 1000 [--variants base,ttt3,vocab32k] [--time-limit 40]
+
+Training runs resume (checkpoints in the cache under distill/runs/ablation-<name>-<steps>); a variant's
+result is written to the results folder when it is measured, and ``--out`` an unfinished folder
+(not yet committed) skips the variants it holds. Results: ``benchmarks/results/ablation/<date>-<commit>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
+
+#: one change at a time against "base" (the v1 recipe's options on the v2 corpus)
+VARIANTS: dict[str, dict] = {
+    "base": {},
+    "ttt2": {"depths": 2},
+    "ttt3": {"depths": 3},
+    "vocab32k": {"vocab_size": 32768},
+    "vocab8k": {"vocab_size": 8192},
+    "no-noise": {"feature_noise": 0.0},
+}
+BASE = {"vocab_size": 16384, "depths": 1, "feature_noise": 0.05, "w_hard": 0.1, "batch_size": 8, "seq_len": 256,
+        "lr": 1e-3, "warmup": 100, "ckpt_every": 100}
+
+
+def held_out_prompts(num: int, max_len: int) -> list[list[int]]:
+    """``num`` held-out train prompts (seeded order, rows HELD_OUT_FROM:), token ids cut to the last ``max_len``."""
+    from treespec.distill.cli import DEFAULT_TRAIN
+    from treespec.distill.corpus import HELD_OUT_FROM, read_prompts
+    from treespec.models.loading import load_tokenizer
+
+    rows = read_prompts(REPO / DEFAULT_TRAIN, seed=0)[HELD_OUT_FROM:HELD_OUT_FROM + num]
+    tok = load_tokenizer("embedded")
+    return [tok(r["prompt"])["input_ids"][-max_len:] for r in rows]
+
+
+def table(results: dict[str, dict], depths: int) -> str:
+    head = "| variant | options | " + " | ".join(f"T0 d{k}" for k in range(1, depths + 1)) + " | " + \
+        " | ".join(f"T1 d{k}" for k in range(1, depths + 1)) + " | head/target step |"
+    lines = [head, "|---|---|" + "---:|" * (2 * depths + 1)]
+    for name, r in results.items():
+        a, s = r["top1_agreement_T0_by_depth"], r["sum_min_pq_T1_by_depth"]
+        lines.append(f"| {name} | {json.dumps(r['changes'])} | " + " | ".join(f"{x:.3f}" for x in a) + " | "
+                     + " | ".join(f"{x:.3f}" for x in s) + f" | {r['step_cost']['fraction']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from treespec.distill.evaluate import depth_metrics, step_cost, target_generations
+    from treespec.distill.train import TrainConfig, distill_root, train
+    from treespec.models.loading import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", default=None,
+                    help="stage-2 corpus folders, comma-separated (default: the head-v2 recipe's, in the cache)")
+    ap.add_argument("--variants", default="base,ttt3,vocab32k")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=24, help="held-out prompts measured")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--depths", type=int, default=6)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=None, help="minutes of training per variant per call")
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"head_ablation: unknown variants {unknown}; known: {sorted(VARIANTS)}", file=sys.stderr)
+        return 2
+    corpora = [Path(c) for c in args.corpus.split(",")] if args.corpus else \
+        [p for p in (distill_root() / "corpus" / "head-v2-greedy", distill_root() / "corpus" / "head-v2-sample")
+         if (p / "manifest.json").exists()]
+    if not corpora:
+        print("head_ablation: no stage-2 corpus (run STAGE=corpus recipes/head_v2_train.sh first)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    out, _ = open_results("ablation", args.out, allow_dirty=args.allow_dirty,
+                          extra={"ablation": {**vars(args), "out": None, "base": BASE,
+                                              "corpora": [str(c) for c in corpora]}})
+    target = load_model("embedded", dtype=args.dtype)
+    prompts = held_out_prompts(args.prompts, 512)
+    cache = distill_root() / "eval-cache"
+    greedy = target_generations(target, prompts, args.new_tokens, 0.0, cache=cache)
+    sampled = target_generations(target, prompts, args.new_tokens, 1.0, cache=cache)
+    results: dict[str, dict] = {}
+    for name in names:
+        path = out / f"variant-{name}.json"
+        if path.exists():
+            results[name] = json.loads(path.read_text())
+            continue
+        options = {**BASE, **VARIANTS[name], "steps": args.steps, "seed": args.seed,
+                   "time_limit_s": None if args.time_limit is None else args.time_limit * 60}
+        head, summary = train(target, corpora if len(corpora) > 1 else corpora[0],
+                              distill_root() / "runs" / f"ablation-{name}-{args.steps}", TrainConfig(**options),
+                              log=print)
+        if summary["step"] < args.steps:
+            print(f"{name}: stopped at step {summary['step']} of {args.steps} (time limit); run again to continue")
+            break
+        head.eval()
+        with torch.no_grad():
+            m0 = depth_metrics(target, head, prompts, greedy, args.depths)
+            m1 = depth_metrics(target, head, prompts, sampled, args.depths)
+            if next(target.parameters()).dtype == torch.bfloat16:
+                head.for_inference(torch.bfloat16)  # as the CLI drafts with it (packed bf16)
+            cost = step_cost(target, head)
+        results[name] = {"changes": VARIANTS[name], "train_summary": summary,
+                         "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
+                         "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
+                         "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"],
+                         "top1_agreement_T1_by_depth": m1["top1_agreement_by_depth"],
+                         "positions_T0_by_depth": m0["positions_by_depth"],
+                         "positions_T1_by_depth": m1["positions_by_depth"], "step_cost": cost}
+        write_json(path, results[name])
+        (out / "table.md").write_text(table(results, args.depths) + "\n")
+        print(table(results, args.depths), flush=True)
+    if len(results) == len(names):
+        finish(out, started)
+    print(f"saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

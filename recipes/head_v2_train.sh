@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Recipe, stages 2 and 3 of head v2 (issue 15). Resumable: run it again (in as many sessions as it takes)
+# and every step continues where it stopped; each step stops cleanly when its time budget is spent.
+#
+# Stage 2: the target's teacher-forced pass over every finished chunk of the stage-1 continuations
+#   (recipes/head_v2_continuations.sh, committed under corpora/head-v2/continuations/): sequences =
+#   train prompt + the target's own continuation, one shard per chunk (last hidden states; soft labels
+#   are recomputed exactly on the head's vocabulary subset while training, so no top-k is stored).
+#   Shards live in the cache (~1.3 KB a position); a lost cache is rebuilt from the committed chunks.
+# Stage 3: training the head from scratch on those shards with the training-time test (depths 1-3,
+#   EAGLE-3 arXiv 2503.01840); checkpoints in the cache, resumed by running the recipe again.
+#
+# Only ../shared/data/train prompts are used (rows 0:11000 of the seeded order; rows 11000: stay held out).
+# STAGE=corpus|train|all (default all), MINUTES per step (default 60), THREADS (default 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MINUTES="${MINUTES:-60}"
+THREADS="${THREADS:-1}"
+STAGE="${STAGE:-all}"
+PY="${PY:-.venv/bin/python}"
+CONT="${CONT:-corpora/head-v2/continuations}"
+CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
+corpora=()
+for spec in v2-greedy:0:6000 v2-sample:6000:11000; do
+    name="${spec%%:*}"; rows="${spec#*:}"
+    [ -f "$CONT/$name/manifest.json" ] || continue
+    corpora+=("$CACHE/corpus/head-$name")
+    if [ "$STAGE" = corpus ] || [ "$STAGE" = all ]; then
+        "$PY" -m treespec.distill build-corpus --continuations "$CONT/$name" --rows "$rows" \
+            --out "$CACHE/corpus/head-$name" --topk 0 --batch-size 8 --dtype auto --threads "$THREADS" \
+            --time-limit "$MINUTES" --no-progress
+    fi
+done
+if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
+    (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run head-v2 \
+        --vocab-size 32768 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
+        --steps 20000 --batch-size 8 --seq-len 256 --lr 0.001 --warmup 200 --ckpt-every 100 \
+        --amp auto --dtype auto --threads "$THREADS" --time-limit "$MINUTES" --no-progress)
+fi

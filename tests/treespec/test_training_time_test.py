@@ -1,0 +1,151 @@
+"""The training-time test: training the head at tree depths > 1 (:meth:`EagleHead.unroll`).
+
+Tiny random Gemma-3 target and corpus of test_distill. What is checked:
+
+1. the unrolled pass on a right-padded batch of windows equals the pass on each window alone (the
+   padding never reaches a real entry), at every depth;
+2. ``compute_losses`` at ``depths = 3`` equals a slow reference built entry by entry (each window
+   alone, each depth's soft loss a plain cross-entropy over the entries that have a root inside the
+   window, weights ``0.8 ** (k - 1)`` normalised), and fails on a broken variant that keeps the
+   rootless entries;
+3. training at depths 1..3 lowers the depth-3 loss below what training at depth 1 alone reaches
+   from the same start and steps (the point of the training-time test). That ``unroll`` is what the
+   runner computes in a tree is tested in test_head_runner (``head_depth_logits`` uses it).
+"""
+
+import pytest
+import torch
+
+from treespec.distill.train import ShardSampler, TrainConfig, compute_losses
+
+from .test_distill import CFG, corpus, target, trained  # noqa: F401
+
+
+def _batch(corpus_dir, depths: int = 3):
+    """A sampled batch of 4 windows, rows 1..3 cut shorter, their padding filled with garbage."""
+    cfg = TrainConfig(**{**CFG.__dict__, "depths": depths, "seq_len": 24, "batch_size": 4})
+    batch = ShardSampler(corpus_dir, cfg).batch(3)
+    g = torch.Generator().manual_seed(0)
+    for b in range(1, 4):
+        t = batch["mask"].shape[1] - 5 * b
+        batch["mask"][b, t:] = False
+        batch["hidden_in"][b, t:] = torch.randn(batch["hidden_in"][b, t:].shape, generator=g) * 9
+        batch["tokens"][b, t:] = torch.randint(0, 128, batch["tokens"][b, t:].shape, generator=g)
+    return cfg, batch
+
+
+def test_unroll_of_padded_windows_equals_each_window_alone(corpus, trained):  # noqa: F811
+    _, head, _ = trained
+    _, batch = _batch(corpus[0])
+    with torch.no_grad():
+        full = head.unroll(batch["hidden_in"], batch["tokens"], batch["positions"], 3)
+        for b in range(batch["mask"].shape[0]):
+            t = int(batch["mask"][b].sum())
+            alone = head.unroll(batch["hidden_in"][b:b + 1, :t], batch["tokens"][b:b + 1, :t],
+                                batch["positions"][b:b + 1, :t], 3)
+            for k in range(3):
+                assert torch.allclose(full[k][b, k:t], alone[k][0, k:], atol=1e-5), (b, k)
+
+
+def _reference_losses(head, batch, cfg, keep_rootless: bool = False) -> float:
+    """The depth-weighted soft loss, one window and one entry at a time (soft="topk" labels)."""
+    weights = [cfg.depth_decay ** k for k in range(cfg.depths)]
+    total = 0.0
+    for k in range(1, cfg.depths + 1):
+        losses = []
+        for b in range(batch["mask"].shape[0]):
+            t = int(batch["mask"][b].sum())
+            feats = head.unroll(batch["hidden_in"][b:b + 1, :t], batch["tokens"][b:b + 1, :t],
+                                batch["positions"][b:b + 1, :t], k)[k - 1][0]
+            for j in range(0 if keep_rootless else k - 1, t):
+                logq = torch.log_softmax(head.logits(feats[j]), dim=-1)
+                ids, logp = batch["topk_ids"][b, j], batch["topk_logp"][b, j]
+                w = torch.zeros(head.cfg.target_vocab_size)
+                w.index_add_(0, ids, logp.exp())
+                w = w[head.vocab_ids]
+                w = w / w.sum()
+                losses.append(-(w * logq).sum())
+        total += weights[k - 1] * float(torch.stack(losses).mean())
+    return total / sum(weights)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_depth_losses_equal_a_slow_reference(corpus, trained, broken):  # noqa: F811
+    _, head, _ = trained
+    cfg, batch = _batch(corpus[0])
+    sub_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
+    sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
+    with torch.no_grad():
+        fast = float(compute_losses(head, batch, cfg, sub_index)["soft"])
+        ref = _reference_losses(head, batch, cfg, keep_rootless=broken)
+    if broken:
+        assert abs(fast - ref) > 1e-4, "the reference that keeps rootless entries must differ"
+    else:
+        assert abs(fast - ref) < 1e-4, (fast, ref)
+
+
+def _depth3_soft(head, batch, cfg, sub_index) -> float:
+    from treespec.distill.train import _depth_losses
+
+    with torch.no_grad():
+        feats = head.unroll(batch["hidden_in"], batch["tokens"], batch["positions"], 3)
+        m = batch["mask"] & (torch.arange(batch["mask"].shape[1])[None] >= 2)
+        return float(_depth_losses(head, feats[2][m], batch, m, cfg, sub_index)["soft"])
+
+
+def test_training_deeper_levels_lowers_the_deep_loss(corpus, trained):  # noqa: F811
+    """From the same head, 60 Adam steps on one fixed batch: with ``depths = 3`` the depth-3 loss ends
+    below what training the depth-1 loss alone reaches (and below its start); depth-1 training does
+    not target it (its depth-3 loss may even rise). Deterministic: fixed batch, seed 0."""
+    import copy
+
+    _, head, _ = trained
+    start = copy.deepcopy(head)
+    cfg, batch = _batch(corpus[0])
+    sub_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
+    sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
+    before = _depth3_soft(start, batch, cfg, sub_index)
+    after = {}
+    for depths in (1, 3):
+        h = copy.deepcopy(start).train()
+        run_cfg = TrainConfig(**{**cfg.__dict__, "depths": depths})
+        opt = torch.optim.Adam(h.parameters(), lr=3e-3)
+        torch.manual_seed(0)
+        with torch.enable_grad():
+            for _ in range(60):
+                opt.zero_grad()
+                compute_losses(h, batch, run_cfg, sub_index)["total"].backward()
+                opt.step()
+        after[depths] = _depth3_soft(h.eval(), batch, cfg, sub_index)
+    assert after[3] < before and after[3] < after[1] - 0.05, (before, after)
+
+
+def test_depth_metrics_equal_the_full_vocabulary_reference(target, trained):  # noqa: F811
+    """``depth_metrics`` (subset softmax, per-depth slices) equals the same quantities read off
+    ``head_depth_logits`` (full-vocabulary logits, tested against the runner), depth by depth."""
+    from treespec.distill.evaluate import depth_metrics
+    from treespec.drafting.head_runner import head_depth_logits
+
+    from .test_distill import prompts
+
+    _, head, _ = trained
+    ps = [p[:20] for p in prompts()[:3]]
+    gens = [p[20:28] for p in prompts()[:3]]
+    got = depth_metrics(target, head, ps, gens, depths=4)
+    agree, accept, count = [0.0] * 4, [0.0] * 4, [0] * 4
+    with torch.no_grad():
+        for p, g in zip(ps, gens):
+            t_logits, per_depth = head_depth_logits(head, target, torch.tensor([p + g]), 4)
+            for k in range(4):
+                rows = range(len(p) - 2, len(p) + len(g) - 2)  # row i predicts position i + 2
+                for i in rows:
+                    if torch.isnan(per_depth[k][i]).any():
+                        continue
+                    pt, q = torch.softmax(t_logits[i], -1), torch.softmax(per_depth[k][i], -1)
+                    agree[k] += float(pt.argmax() == q.argmax())
+                    accept[k] += float(torch.minimum(pt, q).sum())
+                    count[k] += 1
+    assert got["positions_by_depth"] == count
+    for k in range(4):
+        assert abs(got["top1_agreement_by_depth"][k] - agree[k] / count[k]) < 1e-9
+        assert abs(got["sum_min_pq_by_depth"][k] - accept[k] / count[k]) < 1e-5
