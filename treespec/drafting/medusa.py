@@ -139,7 +139,7 @@ class MedusaRunner:
 
     def reset(self) -> None:
         self.length = 0  # committed tokens the runner has accounted for (all but the pending root)
-        self.depth_logits: torch.Tensor | None = None  # [K, V] logits of depth 1..K for this proposal
+        self.depth_logits: torch.Tensor | None = None  # [K, |S|] subset logits of depth 1..K for this proposal
 
     @torch.no_grad()
     def observe(self, state: DraftState) -> None:
@@ -151,12 +151,13 @@ class MedusaRunner:
             else:
                 raise ValueError("Medusa heads draft from the target's hidden states: "
                                  "DraftState.target_hidden is None")
-        self.depth_logits = self.heads.full_logits(hid[-1:].to(self.device))[0]  # [K, V]
+        self.depth_logits = self.heads(hid[-1:].to(self.device))[0]  # [K, |S|] on the heads' subset
         self.length = len(state.tokens) - 1
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
-                *, need_logits: bool = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
-        """Logits ``[n, V]`` of tree ``nodes``: row ``i`` is head ``depth(node_i) + 1``'s logits."""
+                *, need_logits: bool | str = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
+        """Logits ``[n, V]`` of tree ``nodes``: row ``i`` is head ``depth(node_i) + 1``'s logits
+        (``need_logits="subset"``: ``[n, |S|]`` on the heads' subset, with ``vocab_ids``)."""
         if need_hidden:
             raise ValueError("Medusa heads have no per-node hidden state to return")
         if chain is not None and chain.numel():
@@ -170,7 +171,12 @@ class MedusaRunner:
         if bool((depth >= k).any()):
             raise ValueError(f"these Medusa heads predict {k} tokens past the root: a tree deeper than {k} "
                              "cannot be drafted with them (cap its depth)")
-        return {"logits": self.depth_logits[depth]}
+        rows = self.depth_logits[depth]  # [n, |S|]
+        if need_logits == "subset":
+            return {"logits": rows, "vocab_ids": self.heads.vocab_ids}
+        full = rows.new_full((rows.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.heads.vocab_ids] = rows
+        return {"logits": full}
 
     def commit(self, nodes: list[int]) -> None:
         """Nothing to keep: the heads hold no cache (the next :meth:`observe` catches up)."""
