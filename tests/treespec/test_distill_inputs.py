@@ -344,3 +344,34 @@ def test_read_only_corrupted_cache_is_one_line_and_status_2(tmp_path, monkeypatc
         "python -m treespec.distill build-corpus: error: CacheError:"), err
     assert "TREESPEC_CACHE" in lines[-1], err
     assert "Traceback" not in err and out == ""
+
+
+def test_build_corpus_from_stored_continuations_by_command_line(model_dir, tmp_path, capsys):
+    """``build-corpus --continuations DIR``: rows from the folder's recorded source (or --rows), one shard
+    per chunk, the JSON summary; bad combinations and a mismatched row range are one error line, exit 2."""
+    from transformers import AutoTokenizer
+
+    from treespec.distill.continuations import ContinuationOptions, build_continuations
+    from treespec.distill.corpus import read_prompts
+    from treespec.models.loading import load_model
+
+    p = write_prompts(tmp_path / "train.jsonl", PROMPTS)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = read_prompts(p, seed=0)[1:5]
+    model = load_model(str(model_dir), dtype="float32")
+    cont = tmp_path / "cont"
+    build_continuations(model, [tok(r["prompt"])["input_ids"] for r in rows], cont,
+                        ContinuationOptions(new_tokens=3, batch_size=2, chunk_size=2), eos={2}, progress=False,
+                        source={"prompts": p.name, "rows": "1:5", "order_seed": 0})
+    common = ["build-corpus", "--target", model_dir, "--dtype", "float32", "--no-progress", "--prompts", p,
+              "--continuations", cont, "--topk", 0]
+    code, out, err = run_cli([*common, "--out", tmp_path / "c"], capsys)
+    assert code == 0, err
+    summary = last_json(out)
+    assert summary["shards"] == 2 and summary["sequences"] == 4 and summary["complete"]
+    code, _, err = run_cli([*common, "--out", tmp_path / "c2", "--rows", "0:4"], capsys)
+    assert code == 2 and "other prompts" in err and err.count("\n") == 1
+    code, _, err = run_cli([*common, "--out", tmp_path / "c3", "--continuation", "greedy"], capsys)
+    assert code == 2 and "--continuation" in err
+    code, _, err = run_cli([*common[:-4], "--continuations", tmp_path, "--out", tmp_path / "c4"], capsys)
+    assert code == 2 and "no continuation manifest" in err

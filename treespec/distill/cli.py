@@ -173,8 +173,8 @@ def _check_target(args) -> None:
 
 def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
     """``build-corpus --continuations DIR``: stage 2 of a corpus (see ``build_corpus_from_continuations``)."""
+    from .continuations import MANIFEST, continuation_sequences
     from .corpus import build_corpus_from_continuations, read_prompts
-    from .continuations import MANIFEST
 
     folder = Path(args.continuations)
     mpath = folder / MANIFEST
@@ -196,6 +196,10 @@ def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
     rows = read_prompts(args.prompts, seed=int(source.get("order_seed", 0)))[lo:hi]
     tok = load_tokenizer(args.target)
     prompt_ids = [tok(r["prompt"])["input_ids"] for r in rows]  # cut as the recipe cut them, by the reader
+    try:
+        continuation_sequences(folder, prompt_ids)  # other prompts are refused before the target is loaded
+    except ValueError as err:
+        raise DistillInputError(str(err)) from None
     model = load_model(args.target, dtype=args.dtype)
     out = Path(args.out) if args.out else _root() / "corpus" / args.name
     try:
