@@ -9,6 +9,7 @@ depth k = the node k levels below a root whose path follows the text), and one h
 target step.
 
     python benchmarks/head_ablation.py --steps 1000 [--variants base,ttt3,vocab32k] [--time-limit 40]
+    python benchmarks/head_ablation.py --tiny    # smoke test: a tiny random target, its own corpus, 20 steps
 
 Training runs resume (checkpoints in the cache under distill/runs/ablation-<name>-<steps>); a variant's
 result is written to the results folder when it is measured, and ``--out`` an unfinished folder
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +40,20 @@ VARIANTS: dict[str, dict] = {
     "vocab32k": {"vocab_size": 32768},
     "vocab8k": {"vocab_size": 8192},
     "no-noise": {"feature_noise": 0.0},
+    "fused": {"feature_layers": "low,mid"},  # a low and a middle layer besides the last hidden state (EAGLE-3)
 }
+
+
+def low_mid_layers(num_layers: int) -> tuple[int, int]:
+    """The "low,mid" fused layers of a target with ``num_layers >= 4`` decoder layers: (2, 9) of Gemma-3-270M's 18."""
+    if num_layers < 4:
+        raise ValueError(f"fused features need a low and a middle layer below the last; {num_layers} layers are too few")
+    return num_layers // 8, num_layers // 2
+
+
+def resolve(changes: dict, num_layers: int) -> dict:
+    """A variant's options for a target with ``num_layers`` decoder layers."""
+    return {k: low_mid_layers(num_layers) if v == "low,mid" else v for k, v in changes.items()}
 BASE = {"vocab_size": 16384, "depths": 1, "feature_noise": 0.05, "w_hard": 0.1, "batch_size": 8, "seq_len": 256,
         "lr": 1e-3, "warmup": 100, "ckpt_every": 100}
 
@@ -66,10 +81,6 @@ def table(results: dict[str, dict], depths: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from treespec.distill.evaluate import depth_metrics, step_cost, target_generations
-    from treespec.distill.train import TrainConfig, distill_root, train
-    from treespec.models.loading import load_model
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default=None,
                     help="stage-2 corpus folders, comma-separated (default: the head-v2 recipe's, in the cache)")
@@ -82,27 +93,61 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=None, help="minutes of training per variant per call")
+    ap.add_argument("--tiny", action="store_true",
+                    help="smoke test on a tiny random Gemma-3 target with its own small corpus (temporary folders)")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    if args.tiny:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _main(args, Path(tmp))
+    return _main(args, None)
+
+
+def _tiny_setup(tmp: Path, num_prompts: int):
+    """(target, corpora, held-out prompts) of the smoke test: random prompts, corpus with the fused layers."""
+    from treespec.distill.corpus import CorpusOptions, build_corpus
+    from treespec.models.tiny import tiny_model
+
+    target = tiny_model("gemma3", 64, seed=0, num_layers=4, logit_scale=6.0, max_positions=2048)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(2, 64, (int(n),), generator=g).tolist() for n in torch.randint(8, 40, (24 + num_prompts,),
+                                                                                         generator=g)]
+    build_corpus(target, seqs[:24], tmp / "corpus", CorpusOptions(topk=0, shard_positions=200, batch_size=4,
+                                                                 feature_layers=low_mid_layers(4)), progress=False)
+    return target, [tmp / "corpus"], seqs[24:]
+
+
+def _main(args, tmp: Path | None) -> int:
+    from treespec.distill.evaluate import depth_metrics, step_cost, target_generations
+    from treespec.distill.train import TrainConfig, distill_root, train
+    from treespec.models.features import num_decoder_layers
+    from treespec.models.loading import load_model
+
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         print(f"head_ablation: unknown variants {unknown}; known: {sorted(VARIANTS)}", file=sys.stderr)
         return 2
     corpora = [Path(c) for c in args.corpus.split(",")] if args.corpus else \
-        [p for p in (distill_root() / "corpus" / "head-v2-greedy", distill_root() / "corpus" / "head-v2-sample")
+        [p for p in (distill_root() / "corpus" / "head-v2-greedy-f2-9", distill_root() / "corpus" / "head-v2-sample-f2-9")
          if (p / "manifest.json").exists()]
-    if not corpora:
+    if not corpora and not args.tiny:
         print("head_ablation: no stage-2 corpus (run STAGE=corpus recipes/head_v2_train.sh first)", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     started = time.time()
     out, _ = open_results("ablation", args.out, allow_dirty=args.allow_dirty,
                           extra={"ablation": {**vars(args), "out": None, "base": BASE,
-                                              "corpora": [str(c) for c in corpora]}})
-    target = load_model("embedded", dtype=args.dtype)
-    prompts = held_out_prompts(args.prompts, 512)
-    cache = distill_root() / "eval-cache"
+                                              "corpora": "tiny (temporary)" if args.tiny else
+                                              [str(c) for c in corpora]}})
+    if args.tiny:
+        target, corpora, prompts = _tiny_setup(tmp, args.prompts)
+        runs, cache = tmp / "runs", None
+    else:
+        target = load_model("embedded", dtype=args.dtype)
+        prompts = held_out_prompts(args.prompts, 512)
+        runs, cache = distill_root() / "runs", distill_root() / "eval-cache"
+    layers = num_decoder_layers(target)
     greedy = target_generations(target, prompts, args.new_tokens, 0.0, cache=cache)
     sampled = target_generations(target, prompts, args.new_tokens, 1.0, cache=cache)
     results: dict[str, dict] = {}
@@ -111,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists():
             results[name] = json.loads(path.read_text())
             continue
-        options = {**BASE, **VARIANTS[name], "steps": args.steps, "seed": args.seed,
+        options = {**BASE, **resolve(VARIANTS[name], layers), "steps": args.steps, "seed": args.seed,
                    "time_limit_s": None if args.time_limit is None else args.time_limit * 60}
         head, summary = train(target, corpora if len(corpora) > 1 else corpora[0],
-                              distill_root() / "runs" / f"ablation-{name}-{args.steps}", TrainConfig(**options),
-                              log=print)
+                              runs / f"ablation-{name}-{args.steps}", TrainConfig(**options), log=print,
+                              progress=not args.tiny)
         if summary["step"] < args.steps:
             print(f"{name}: stopped at step {summary['step']} of {args.steps} (time limit); run again to continue")
             break
@@ -126,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             if next(target.parameters()).dtype == torch.bfloat16:
                 head.for_inference(torch.bfloat16)  # as the CLI drafts with it (packed bf16)
             cost = step_cost(target, head)
-        results[name] = {"changes": VARIANTS[name], "train_summary": summary,
+        results[name] = {"changes": resolve(VARIANTS[name], layers), "train_summary": summary,
                          "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
                          "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
                          "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"],

@@ -88,6 +88,8 @@ def collect(model, tok, prompts, layer: int, new_tokens: int, gen_temperature: f
     (its logits are -inf outside its vocabulary subset: q = 0 there); else the early exit.
     Prompt ``i`` is sampled with a generator seeded ``seed + i``.
     """
+    from treespec.models.features import model_features
+
     norm, lm = model.model.norm, model.lm_head
     for i, pr in enumerate(prompts):
         e = tok(pr["prompt"])["input_ids"]
@@ -101,7 +103,7 @@ def collect(model, tok, prompts, layer: int, new_tokens: int, gen_temperature: f
             if head is None:
                 draft = lm(norm(out.hidden_states[layer][0, start:stop])).float()
             else:  # head input at j - 1 is (h_{j-1}, x_j): its output predicts token j + 1, like p at j
-                h = model.model(seq).last_hidden_state.float()  # post final norm
+                h = model_features(model, seq, layers=head.cfg.feature_layers).float()  # post final norm (+ layers)
                 feats = head(h[:, :-1], seq[:, 1:], torch.arange(1, seq.shape[1])[None])[0]
                 draft = torch.full_like(target, -torch.inf)
                 draft[:, head.vocab_ids] = head.logits(feats[start - 1:stop - 1])

@@ -4,9 +4,10 @@
 #
 # Stage 2: the target's teacher-forced pass over every finished chunk of the stage-1 continuations
 #   (recipes/head_v2_continuations.sh, committed under corpora/head-v2/continuations/): sequences =
-#   train prompt + the target's own continuation, one shard per chunk (last hidden states; soft labels
-#   are recomputed exactly on the head's vocabulary subset while training, so no top-k is stored).
-#   Shards live in the cache (~1.3 KB a position); a lost cache is rebuilt from the committed chunks.
+#   train prompt + the target's own continuation, one shard per chunk (last hidden states plus the
+#   outputs of decoder layers 2 and 9 of 18, for heads with fused features; soft labels are recomputed
+#   exactly on the head's vocabulary subset while training, so no top-k is stored).
+#   Shards live in the cache (~3.9 KB a position); a lost cache is rebuilt from the committed chunks.
 # Stage 3: training the head from scratch on those shards with the training-time test (depths 1-3,
 #   EAGLE-3 arXiv 2503.01840); checkpoints in the cache, resumed by running the recipe again.
 #
@@ -20,14 +21,16 @@ STAGE="${STAGE:-all}"
 PY="${PY:-.venv/bin/python}"
 CONT="${CONT:-corpora/head-v2/continuations}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
+LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
 corpora=()
 for spec in v2-greedy:0:6000 v2-sample:6000:11000; do
     name="${spec%%:*}"; rows="${spec#*:}"
     [ -f "$CONT/$name/manifest.json" ] || continue
-    corpora+=("$CACHE/corpus/head-$name")
+    corpora+=("$CACHE/corpus/head-$name-f${LAYERS/,/-}")
     if [ "$STAGE" = corpus ] || [ "$STAGE" = all ]; then
         "$PY" -m treespec.distill build-corpus --continuations "$CONT/$name" --rows "$rows" \
-            --out "$CACHE/corpus/head-$name" --topk 0 --batch-size 8 --dtype auto --threads "$THREADS" \
+            --out "$CACHE/corpus/head-$name-f${LAYERS/,/-}" --feature-layers "$LAYERS" --topk 0 --batch-size 8 \
+            --dtype auto --threads "$THREADS" \
             --time-limit "$MINUTES" --no-progress
     fi
 done

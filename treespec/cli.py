@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
     g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
     g.add_argument("--draft", default="auto",
-                   help="'auto' (default: 'ngram', the best measured drafter at every temperature), "
+                   help="'auto' (default: n-gram lookup at T=0, the shipped head at T>0 on the embedded target, the best "
+                        "measured on train prompts), "
                         "'lookup+head' (prompt lookup where the context repeats, the shipped Gemma-3-270M draft "
                         "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone), 'none', "
                         "a draft causal LM path/id sharing the tokenizer, an EAGLE head .safetensors "

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .drafting.base import Draft, Drafter, DraftState, NoDrafter
+from .drafting.base import Draft, Drafter, DraftState, NoDrafter, feature_layers
 from .models.loading import eos_token_ids
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig, logits_to_probs
@@ -177,12 +177,14 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
 
     start = time.perf_counter()
     runner.reset()
+    # target layers a head reads besides the last hidden state (asked for only when there are any)
+    features = {"feature_layers": feature_layers(drafter)} if feature_layers(drafter) else {}
     target_hidden = None
     if len(prompt) > 1:
         # the prefill's hidden states (positions 0..len-2; the last predicts the first root) go to
         # the first proposal, so hidden-state drafters can draft from step one
         target_hidden = runner.forward(None, None, torch.tensor(prompt[:-1], device=runner.device),
-                                       need_logits=False, need_hidden=True)["hidden"]
+                                       need_logits=False, need_hidden=True, **features)["hidden"]
     drafter.begin(prompt)
     seq = list(prompt)
     result = GenerationResult(prompt, [])
@@ -199,7 +201,7 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
         t1 = time.perf_counter()
         # verify the whole tree in one target pass
         nodes = torch.arange(tree.num_nodes, device=runner.device)
-        out = runner.forward(tree, nodes, need_hidden=True)
+        out = runner.forward(tree, nodes, need_hidden=True, **features)
         # the greedy verifier needs only each row's argmax: logits serve as they are
         target_probs = out["logits"] if verifier_name == "greedy" else logits_to_probs(out["logits"], sampling)
         verdict = verify(tree, target_probs, draft.draft_probs, generator)

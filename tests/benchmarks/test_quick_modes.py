@@ -87,3 +87,18 @@ def test_run_stopped_part_way_resumes_to_every_round_once(tmp_path, monkeypatch)
     assert "PARTIAL" not in (out / "table.md").read_text()
     with pytest.raises(run.ProvenanceError, match="complete"):
         run.main(["--resume", str(out)])
+
+
+def test_head_ablation_tiny(tmp_path):
+    """head_ablation.py --tiny: a tiny random target, its own corpus (with the fused layers), three variants."""
+    from benchmarks import head_ablation
+
+    out = tmp_path / "ablation"
+    assert head_ablation.main(["--tiny", "--steps", "6", "--variants", "base,fused,ttt2", "--prompts", "3",
+                               "--new-tokens", "8", "--depths", "3", "--threads", "1", "--allow-dirty",
+                               "--out", str(out)]) == 0
+    assert json.loads((out / "provenance.json").read_text())["complete"]
+    fused = json.loads((out / "variant-fused.json").read_text())
+    assert fused["changes"] == {"feature_layers": [0, 2]} and fused["train_summary"]["step"] == 6
+    assert len(fused["top1_agreement_T0_by_depth"]) == 3 and fused["positions_T0_by_depth"][0] > 0
+    assert "| fused |" in (out / "table.md").read_text()

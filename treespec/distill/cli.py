@@ -40,8 +40,16 @@ def _config_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     for field, default in defaults.__dict__.items():
         if field == "time_limit_s":
             continue
-        kind = type(default) if default is not None else int
+        kind = _int_list if isinstance(default, tuple) else type(default) if default is not None else int
         parser.add_argument("--" + field.replace("_", "-"), type=kind, default=default)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``"2,9"`` -> ``(2, 9)`` (empty text: ``()``); argparse reports a bad value by the option's name."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-prompts", type=int, default=None)
     b.add_argument("--max-len", type=int, default=512, help="prompt tokens kept (BOS included)")
     b.add_argument("--topk", type=int, default=32, help="top-k soft labels stored (0: none, ~2x faster)")
+    b.add_argument("--feature-layers", type=_int_list, default=(),
+                   help="also store these decoder layers' outputs, e.g. 2,9 (for heads with fused features)")
     b.add_argument("--shard-positions", type=int, default=50_000)
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--continuation", choices=["none", "greedy", "sample"], default="none",
@@ -241,7 +251,8 @@ def _run(args) -> None:
 
         check_not_eval(args.prompts)
         opts = CorpusOptions(topk=args.topk, shard_positions=args.shard_positions, batch_size=args.batch_size,
-                             continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed)
+                             continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed,
+                             feature_layers=args.feature_layers)
         if args.continuations:
             _build_from_continuations(args, opts, load_model, load_tokenizer)
             return

@@ -4,6 +4,9 @@ For every token sequence (a train prompt, optionally followed by the target's ow
 target runs one teacher-forced forward; per position ``j`` the shard keeps
 
 * ``hidden``   ``[N, H]`` bf16: the target's last hidden state (post final norm) at ``j``;
+* ``features`` ``[N, k * H]`` bf16, only with ``CorpusOptions.feature_layers`` (k layers): the outputs of
+  those decoder layers at ``j``, in order (what a head with fused features reads besides ``hidden``,
+  :mod:`treespec.models.features`);
 * ``tokens``   ``[N]`` int32: ``x_j``;
 * ``topk_ids`` ``[N, k]`` int32 and ``topk_logp`` ``[N, k]`` float16: the target's top-k next-token
   log-probabilities at ``j`` (full-vocabulary softmax, soft-capping included);
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 
 from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
+from ..models.features import check_feature_layers, model_features, num_decoder_layers
 from .inputs import DistillInputError, require_dir, require_file
 
 MANIFEST = "manifest.json"
@@ -134,6 +138,7 @@ class CorpusOptions:
     continuation: str = "none"  # "none" | "greedy" | "sample" (temperature 1)
     new_tokens: int = 64  # continuation length
     seed: int = 0
+    feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs are stored too (fused features)
 
     def __post_init__(self) -> None:
         for name, low in (("topk", 0), ("shard_positions", 1), ("batch_size", 1), ("logits_chunk", 1),
@@ -141,6 +146,20 @@ class CorpusOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise DistillInputError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        layers = tuple(int(x) for x in self.feature_layers)  # a manifest stores a JSON list
+        if any(b <= a for a, b in zip(layers, layers[1:])) or (layers and layers[0] < 0):
+            raise DistillInputError(f"feature-layers must be strictly increasing layer indices >= 0, got {list(layers)}")
+        object.__setattr__(self, "feature_layers", layers)
+
+    def record(self) -> dict:
+        """The options as stored in a manifest and fingerprinted (``feature_layers`` only when set, so
+        the corpora built before the option existed keep their fingerprints)."""
+        out = dict(self.__dict__)
+        if out["feature_layers"]:
+            out["feature_layers"] = list(out["feature_layers"])
+        else:
+            del out["feature_layers"]
+        return out
 
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,7 +174,7 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint(seqs: list[list[int]], opts: CorpusOptions) -> str:
-    h = hashlib.sha256(json.dumps(opts.__dict__, sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(opts.record(), sort_keys=True).encode())
     for s in seqs:
         h.update(len(s).to_bytes(4, "little"))
         h.update(torch.tensor(s, dtype=torch.int32).numpy().tobytes())
@@ -206,7 +225,8 @@ class _ShardBuffer:
         self.clear()
 
     def clear(self) -> None:
-        self.parts: dict[str, list] = {"hidden": [], "tokens": [], "ids": [], "logp": [], "lens": [], "gen": []}
+        self.parts: dict[str, list] = {"hidden": [], "features": [], "tokens": [], "ids": [], "logp": [], "lens": [],
+                                       "gen": []}
         self.counts = torch.zeros(self.vocab, dtype=torch.float64)
         self.positions, self.sequences, self.t0 = 0, 0, time.perf_counter()
 
@@ -220,9 +240,11 @@ class _ShardBuffer:
         for k, s in enumerate(full):
             ids[k, : len(s)] = torch.tensor(s)
             att[k, : len(s)] = 1
-        hidden = model.base_model(input_ids=ids.to(device), attention_mask=att.to(device)).last_hidden_state
+        layers = opts.feature_layers
+        feats = model_features(model, ids.to(device), att.to(device), layers)  # [B, L, (k + 1) * H]
+        H = feats.shape[-1] // (len(layers) + 1)
         for k, s in enumerate(full):
-            h = hidden[k, : len(s)]
+            h = feats[k, : len(s), -H:]  # the last hidden state
             top_ids, top_lp = ([], []) if opts.topk else ([torch.zeros(len(s), 0, dtype=torch.long)],
                                                           [torch.zeros(len(s), 0)])
             for c in range(0, len(s) if opts.topk else 0, opts.logits_chunk):  # topk 0: no logits at all
@@ -235,6 +257,8 @@ class _ShardBuffer:
             self.counts.index_add_(0, x[1:], torch.ones(len(s) - 1, dtype=torch.float64))
             self.counts.index_add_(0, top_ids.flatten(), top_lp.double().exp().flatten())
             self.parts["hidden"].append(h.float().cpu())
+            if layers:
+                self.parts["features"].append(feats[k, : len(s), :-H].to(torch.bfloat16).cpu())
             self.parts["tokens"].append(x)
             self.parts["ids"].append(top_ids)
             self.parts["logp"].append(top_lp)
@@ -259,6 +283,8 @@ class _ShardBuffer:
             "gen_start": torch.tensor(b["gen"], dtype=torch.int64),
             "counts": self.counts.float(),
         }
+        if b["features"]:
+            tensors["features"] = torch.cat(b["features"]).contiguous()
         data = save(tensors)  # bytes: safetensors' save_file writes its own temporary, which kill -9 leaves behind
         atomic_write(out / name, lambda tmp: tmp.write_bytes(data))
         manifest["shards"].append({"file": name, "sequences": self.sequences, "positions": self.positions, **entry})
@@ -272,6 +298,11 @@ class _ShardBuffer:
 def _open_corpus(model, out_dir: str | Path, fingerprint: str, fresh: dict) -> tuple[Path, dict]:
     """The corpus folder and its manifest (created from ``fresh`` when new; refused when it holds
     a corpus of other inputs)."""
+    if fresh["options"].get("feature_layers"):  # checked before anything is written
+        try:
+            check_feature_layers(fresh["options"]["feature_layers"], num_decoder_layers(model))
+        except ValueError as err:
+            raise DistillInputError(str(err)) from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
@@ -303,7 +334,7 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
         raise DistillInputError(f"continuation must be none / greedy / sample, got {opts.continuation!r}")
     seqs = [list(map(int, s)) for s in seqs if len(s) >= 2]
     out, manifest = _open_corpus(model, out_dir, _fingerprint(seqs, opts),
-                                 {"options": opts.__dict__, "num_input_sequences": len(seqs)})
+                                 {"options": opts.record(), "num_input_sequences": len(seqs)})
     done = manifest["sequences_done"]
     start_time = time.perf_counter()
     bar = tqdm(total=len(seqs), initial=done, unit="seq", desc="corpus", disable=not progress)
@@ -350,8 +381,8 @@ def build_corpus_from_continuations(model, prompt_ids: list[list[int]], continua
     if opts.continuation != "none":
         raise DistillInputError("the continuations are stored already: continuation must be 'none' here")
     cont = continuation_sequences(continuations_dir, prompt_ids)  # checks the fingerprint
-    fp = hashlib.sha256(json.dumps([cont.fingerprint, opts.__dict__], sort_keys=True).encode()).hexdigest()
-    out, manifest = _open_corpus(model, out_dir, fp, {"options": opts.__dict__,
+    fp = hashlib.sha256(json.dumps([cont.fingerprint, opts.record()], sort_keys=True).encode()).hexdigest()
+    out, manifest = _open_corpus(model, out_dir, fp, {"options": opts.record(),
                                                       "continuations": cont.fingerprint,
                                                       "num_input_sequences": cont.num_prompts})
     done = {sh["chunk"] for sh in manifest["shards"]}

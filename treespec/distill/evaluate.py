@@ -23,6 +23,7 @@ import torch
 
 from ..drafting.head import EagleHead
 from ..files import atomic_write_text
+from ..models.features import model_features
 from .corpus import lm_logits
 
 
@@ -70,8 +71,9 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
         if not gen:
             continue
         seq = torch.tensor(prompt + gen, device=device)
-        h = model.base_model(input_ids=seq[None]).last_hidden_state[0].float()  # [n, H]
-        feats = head.unroll(h[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=device)[None], depths)
+        f = model_features(model, seq[None], layers=head.cfg.feature_layers)[0].float()  # [n, F]
+        h = head.last_hidden(f)  # [n, H]
+        feats = head.unroll(f[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=device)[None], depths)
         hi = seq.numel() - 1  # positions j in [lo, hi) predict generated tokens
         p = torch.softmax(lm_logits(model, h[max(len(prompt) - 1, 1):hi]), dim=-1)  # [g, V]
         top_p = p.argmax(-1)
@@ -105,7 +107,8 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, head.cfg.target_vocab_size, (context + reps + 1,), generator=g)
     runner = ModelRunner(model)
-    hidden = runner.forward(None, None, ids[:context], need_hidden=True)["hidden"]  # [context, H]
+    layers = head.cfg.feature_layers
+    hidden = runner.forward(None, None, ids[:context], need_hidden=True, feature_layers=layers)["hidden"]  # [context, F]
     drafter = HeadRunner(head)
 
     def head_step(root: int, new_hidden: torch.Tensor, chain: torch.Tensor | None) -> None:
@@ -120,7 +123,7 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
     t_target, t_head = [], []
     for i in range(reps):
         t0 = time.perf_counter()
-        out = runner.forward(None, None, ids[context + i:context + i + 1], need_hidden=True)
+        out = runner.forward(None, None, ids[context + i:context + i + 1], need_hidden=True, feature_layers=layers)
         t1 = time.perf_counter()
         head_step(context + i, last, None)
         t2 = time.perf_counter()

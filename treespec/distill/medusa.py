@@ -59,7 +59,7 @@ class PositionPool:
     position, the end of its sequence; :meth:`batch` draws positions with per-corpus weights."""
 
     def __init__(self, corpora: list[str | Path], weights: list[float] | None = None) -> None:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         weights = weights or [1.0] * len(corpora)
         if len(weights) != len(corpora):
@@ -68,7 +68,8 @@ class PositionPool:
         base = 0
         for corpus, cw in zip(corpora, weights):
             for sh in load_manifest(corpus)["shards"]:
-                data = load_file(str(Path(corpus) / sh["file"]))
+                with safe_open(str(Path(corpus) / sh["file"]), framework="pt") as fh:  # not the stored layers
+                    data = {k: fh.get_tensor(k) for k in ("offsets", "hidden", "tokens")}
                 off = data["offsets"]
                 n = int(off[-1])
                 hidden.append(data["hidden"])

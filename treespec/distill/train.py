@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,7 @@ class TrainConfig:
     feature_noise: float = 0.0  # uniform noise on input features (EAGLE), relative to their RMS
     depths: int = 1  # tree depths trained (> 1: the training-time test, EAGLE-3 arXiv 2503.01840)
     depth_decay: float = 0.8  # loss weight of depth k: depth_decay ** (k - 1), normalised over the depths
+    feature_layers: tuple[int, ...] = ()  # target layers read besides h (fused features, EAGLE-3); the corpus stores them
     steps_per_shard: int = 50  # consecutive steps drawn from one shard (fewer loads)
     ckpt_every: int = 200
     keep_ckpts: int = 2
@@ -81,6 +82,10 @@ class TrainConfig:
         for name in ("head_dim", "intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        layers = tuple(int(x) for x in self.feature_layers)
+        if any(b <= a for a, b in zip(layers, layers[1:])) or (layers and layers[0] < 0):
+            raise DistillInputError(f"feature-layers must be strictly increasing layer indices >= 0, got {list(layers)}")
+        self.feature_layers = layers
         if self.soft not in ("subset", "topk") or self.amp not in ("auto", "bf16", "off"):
             raise DistillInputError(f"soft must be subset / topk and amp auto / bf16 / off, got {self.soft!r}, "
                                     f"{self.amp!r}")
@@ -131,22 +136,40 @@ def choose_vocab(corpus_dir, size: int, always: list[int] = (), extra_counts: to
 
 
 class ShardSampler:
-    """Deterministic (seed, step) -> batch of windows; keeps one shard in memory."""
+    """Deterministic (seed, step) -> batch of windows; keeps one shard in memory.
 
-    def __init__(self, corpus_dir: str | Path, cfg: TrainConfig) -> None:
+    ``hidden_in`` holds the target's features for a head reading ``feature_layers`` (the stored
+    outputs of those layers, then the last hidden state; :mod:`treespec.models.features`); every
+    corpus must store them."""
+
+    def __init__(self, corpus_dir: str | Path, cfg: TrainConfig, feature_layers: tuple[int, ...] | None = None) -> None:
+        feature_layers = cfg.feature_layers if feature_layers is None else tuple(feature_layers)
         self.shards = corpus_shards(corpus_dir)
         if not self.shards:
             raise DistillInputError(f"corpus {corpus_dir}: no shards yet")
         self.cfg = cfg
+        self.columns = {}  # corpus dir -> stored feature columns, in the head's layer order
+        dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
+        for d in dirs:
+            stored = list(load_manifest(d)["options"].get("feature_layers", []))
+            missing = [x for x in feature_layers if x not in stored]
+            if missing:
+                raise DistillInputError(f"corpus {d}: the head reads target layers {list(feature_layers)}, the corpus "
+                                        f"stores {stored} (rebuild it with --feature-layers)")
+            self.columns[str(Path(d))] = [stored.index(x) for x in feature_layers]
         w = torch.tensor([s["positions"] for _, s in self.shards], dtype=torch.float64)
         self.weights = w / w.sum()
         self._loaded: tuple[int, dict] | None = None
 
     def _shard(self, i: int) -> dict:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         if self._loaded is None or self._loaded[0] != i:
-            self._loaded = (i, load_file(str(self.shards[i][0])))
+            path = self.shards[i][0]
+            with safe_open(str(path), framework="pt") as fh:  # stored layers only when the head reads some
+                keys = [k for k in fh.keys() if k != "features" or self.columns[str(path.parent)]]
+                self._loaded = (i, {k: fh.get_tensor(k) for k in keys})
+            self._loaded_path = path
         return self._loaded[1]
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
@@ -168,13 +191,16 @@ class ShardSampler:
         B = len(rows)
         H = shard["hidden"].shape[1]
         k = shard["topk_ids"].shape[1]
-        out = {"hidden_in": torch.zeros(B, T, H), "hidden_out": torch.zeros(B, T, H),
+        cols = self.columns[str(self._loaded_path.parent)]
+        out = {"hidden_in": torch.zeros(B, T, (len(cols) + 1) * H), "hidden_out": torch.zeros(B, T, H),
                "tokens": torch.zeros(B, T, dtype=torch.long), "next": torch.full((B, T), -1, dtype=torch.long),
                "topk_ids": torch.zeros(B, T, k, dtype=torch.long), "topk_logp": torch.full((B, T, k), -math.inf),
                "positions": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool)}
         for b, (a, t, start) in enumerate(rows):
             seq_end = int(off[torch.searchsorted(off, a, right=True)])  # end of this sequence
-            out["hidden_in"][b, :t] = shard["hidden"][a:a + t].float()
+            out["hidden_in"][b, :t, -H:] = shard["hidden"][a:a + t].float()
+            if cols:  # the head's layers, in its order, from the stored ones (window rows only)
+                out["hidden_in"][b, :t, :-H] = shard["features"][a:a + t].unflatten(1, (-1, H))[:, cols].flatten(1)
             out["hidden_out"][b, :t] = shard["hidden"][a + 1:a + 1 + t].float()
             out["tokens"][b, :t] = shard["tokens"][a + 1:a + 1 + t].long()
             nxt = shard["tokens"][a + 2:min(a + 2 + t, seq_end)].long()
@@ -198,10 +224,11 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     """
     device = head.fc.weight.device
     b = {k: v.to(device) for k, v in batch.items()}
-    hin = b["hidden_in"]
-    if cfg.feature_noise > 0 and head.training:
-        rms = hin.pow(2).mean(-1, keepdim=True).sqrt()
-        hin = hin + (torch.rand_like(hin) * 2 - 1) * cfg.feature_noise * rms
+    hin = b["hidden_in"]  # [B, T, F]: the target's features
+    if cfg.feature_noise > 0 and head.training:  # relative to the RMS of each feature slice
+        rms = hin.unflatten(-1, (-1, head.cfg.hidden_size)).pow(2).mean(-1, keepdim=True).sqrt()
+        noise = (torch.rand_like(hin) * 2 - 1).unflatten(-1, rms.shape[-2:-1] + (-1,))
+        hin = hin + (noise * cfg.feature_noise * rms).flatten(-2)
     with autocast:
         feats = head.unroll(hin, b["tokens"], b["positions"], cfg.depths)  # depths x [B, T, H]
     weights = [cfg.depth_decay ** k for k in range(cfg.depths)]
@@ -253,7 +280,7 @@ def _head_from_checkpoint(state: dict, path: Path) -> EagleHead:
     try:
         head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
         head.load_state_dict(state["head"])
-    except (KeyError, TypeError, RuntimeError) as err:
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise DistillInputError(f"checkpoint {path}: not a head training checkpoint ({type(err).__name__}: "
                                 f"{str(err).splitlines()[0][:200]})") from None
     return head
@@ -293,9 +320,15 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
 
         ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts)
         head = new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                        intermediate_size=cfg.intermediate_size, seed=cfg.seed)
+                        intermediate_size=cfg.intermediate_size, feature_layers=cfg.feature_layers, seed=cfg.seed)
     head = head.to(device).float()
     head.attach(target)
+    if cfg.feature_layers != head.cfg.feature_layers:
+        if cfg.feature_layers:  # asked for layers the resumed / initial head does not read
+            raise DistillInputError(f"feature-layers {list(cfg.feature_layers)}: the "
+                                    f"{'checkpoint' if state is not None else 'initial head'} reads "
+                                    f"{list(head.cfg.feature_layers)}; give those (or none) or start a new run")
+        cfg = replace(cfg, feature_layers=head.cfg.feature_layers)  # recorded as the head has them
     sampler = ShardSampler(corpus_dir, cfg)
     if state is None and init_head is None:
         # start the output feature at the corpus' per-channel scale of h (measured on Gemma-3-270M:

@@ -42,7 +42,9 @@ class DraftState:
     target_hidden : ``[num_new, H]`` the target's last hidden states at the positions committed by
         the previous step (root and accepted nodes), in order; on the first step the prefill's
         (positions 0 .. len(prompt) - 2), or None for a one-token prompt. The last row always
-        predicts the current root token.
+        predicts the current root token. For a drafter that asks for more target layers
+        (:func:`feature_layers`), ``[num_new, (k + 1) * H]``: those layers' outputs, then the last
+        hidden state (:mod:`treespec.models.features`).
     target_runner : the engine's :class:`~treespec.models.runner.ModelRunner` of the target, holding
         exactly the committed prefix (all but the root); read-only for drafters (an early-exit
         draft reads its layers' keys/values from it), or None.
@@ -70,6 +72,22 @@ class Drafter(Protocol):
 
     def accept(self, result: VerifyResult, emitted: list[int]) -> None:
         """Learn what the target accepted (``emitted`` = tokens actually appended)."""
+
+
+def feature_layers(drafter) -> tuple[int, ...]:
+    """The target layers a drafter reads besides the last hidden state (its optional
+    ``feature_layers`` attribute; ``()`` for drafters that read the last hidden state or nothing)."""
+    return tuple(getattr(drafter, "feature_layers", ()))
+
+
+def shared_feature_layers(drafters) -> tuple[int, ...]:
+    """The one ``feature_layers`` of several drafters composed into one (a ``ValueError`` when two
+    ask for different layers: the engine hands every drafter the same target features; a drafter
+    reading the last hidden state alone takes it from the end of the wider features)."""
+    wanted = {feature_layers(d) for d in drafters} - {()}
+    if len(wanted) > 1:
+        raise ValueError(f"drafters read different target layers {sorted(wanted)}; compose drafters that agree")
+    return wanted.pop() if wanted else ()
 
 
 class NoDrafter:

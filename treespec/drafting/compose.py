@@ -21,7 +21,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..verify import VerifyResult
-from .base import Draft, Drafter, DraftState
+from .base import Draft, Drafter, DraftState, shared_feature_layers
 
 
 class FirstOf:
@@ -39,6 +39,7 @@ class FirstOf:
         if len(drafters) < 2:
             raise ValueError("FirstOf composes at least two drafters")
         self.drafters = drafters
+        self.feature_layers = shared_feature_layers(drafters)  # the target layers its heads read
         self.begin([])
 
     def law(self, sampling: SamplingConfig) -> str:

@@ -11,6 +11,13 @@ vocabulary subset ``S`` (the most frequent target tokens of the distillation cor
 probability is exactly 0 outside ``S`` and rows are padded back to the target vocabulary, so
 verification stays lossless. Deeper tree levels run the head on its own features.
 
+Fused features (``HeadConfig.feature_layers``, after EAGLE-3, arXiv 2503.01840): the head may
+also read the outputs of earlier target layers (e.g. a low and a middle one); the target's features
+``[r_a, r_b, h_t]`` (:mod:`treespec.models.features`) are RMS-normalised slice by slice and
+projected by ``fuse`` to ``H`` where ``h_t`` alone would enter. Deeper tree levels read the head's
+own ``H``-wide feature as before, so only the first level and the committed entries see the fusion.
+``fuse`` starts as the projection onto ``h_t``: a new fused head starts as the unfused one.
+
 Only the trained weights (fc, norms, the layer) and ``S`` are saved; the embedding and the LM-head
 rows are taken from the target when the head is attached (:meth:`EagleHead.attach`).
 
@@ -23,7 +30,7 @@ grows its trees with it (e.g. ``ShapeDrafter(head, TreeShape.widths((2, 1)), "ii
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +49,32 @@ class HeadConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     softcap: float | None = None  # the target's final logit soft-capping, if any
+    feature_layers: tuple[int, ...] = ()  # target layers read besides the last hidden state (fused features)
+
+    def __post_init__(self) -> None:
+        layers = self.feature_layers  # a weights file stores a JSON list
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                             for x in layers):
+            raise ValueError(f"feature_layers must be a list of decoder layer indices, got {layers!r}")
+        layers = tuple(layers)
+        if any(b <= a for a, b in zip(layers, layers[1:])) or (layers and layers[0] < 0):
+            raise ValueError(f"feature_layers must be strictly increasing layer indices >= 0, got {list(layers)}")
+        object.__setattr__(self, "feature_layers", layers)
+
+    def record(self) -> dict:
+        """The config as a weights file stores it (``feature_layers`` only when set: an unfused head's
+        file stays what it was before the option existed)."""
+        out = asdict(self)
+        if out["feature_layers"]:
+            out["feature_layers"] = list(out["feature_layers"])
+        else:
+            del out["feature_layers"]
+        return out
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads: ``(len(feature_layers) + 1) * hidden_size``."""
+        return (len(self.feature_layers) + 1) * self.hidden_size
 
 
 class RMSNorm(nn.Module):
@@ -109,6 +142,15 @@ class EagleHead(SubsetHead):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = HeadLayer(cfg)
         self.out_norm = RMSNorm(h, cfg.rms_eps)
+        self.feature_layers = cfg.feature_layers
+        if cfg.feature_layers:  # fused features: per-slice norm gains and the projection to H
+            slices = len(cfg.feature_layers) + 1
+            self.fuse_norm = nn.Parameter(torch.ones(slices, h))
+            rng = torch.random.get_rng_state()  # no draw from the global RNG: the other layers
+            self.fuse = nn.Linear(slices * h, h, bias=False)  # initialise as in an unfused head
+            torch.random.set_rng_state(rng)
+            with torch.no_grad():  # start as the projection onto the last hidden state
+                self.fuse.weight.zero_()[:, -h:].copy_(torch.eye(h, device=self.fuse.weight.device))
         self._embed: nn.Module | None = None  # the target's input embedding (frozen, not owned)
 
     # ------------------------------------------------------------------ target coupling
@@ -116,6 +158,13 @@ class EagleHead(SubsetHead):
         emb = model.get_input_embeddings()
         if emb.weight.shape[1] != self.cfg.hidden_size:
             raise ValueError(f"{self.FILE_WHAT}: built for another target (hidden size or vocabulary differ)")
+        if self.cfg.feature_layers:
+            from ..models.features import check_feature_layers, num_decoder_layers
+
+            try:
+                check_feature_layers(self.cfg.feature_layers, num_decoder_layers(model))
+            except ValueError as err:
+                raise ValueError(f"{self.FILE_WHAT} built for another target: {err}") from None
         object.__setattr__(self, "_embed", emb)  # not a submodule: never trained, never saved
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -123,6 +172,32 @@ class EagleHead(SubsetHead):
             raise RuntimeError("attach the head to its target first")
         with torch.no_grad():
             return self._embed(tokens).float()
+
+    def target_input(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features ``[..., feature_width]`` -> what the head reads in place of a parent
+        feature ``[..., H]``: the last hidden state itself, or the fusion of the slices."""
+        features = self.own_features(features)
+        if not self.cfg.feature_layers:
+            return features
+        x = features.float().unflatten(-1, (-1, self.cfg.hidden_size))  # [..., slices, H]
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.fuse_norm.dtype)
+        return self.fuse((x * self.fuse_norm).flatten(-2))
+
+    def own_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The part of the target features ``[..., W]`` this head reads: all of them (``W`` =
+        ``feature_width``), or, for a head without fused features beside a drafter that asked the
+        engine for more layers, the last hidden state they end with."""
+        width = features.shape[-1]
+        if width == self.cfg.feature_width:
+            return features
+        if not self.cfg.feature_layers and width % self.cfg.hidden_size == 0:
+            return features[..., -self.cfg.hidden_size:]
+        raise ValueError(f"the head reads target features of width {self.cfg.feature_width} (layers "
+                         f"{list(self.cfg.feature_layers)} + the last hidden state), got {width}")
+
+    def last_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's last hidden state ``[..., H]`` inside its features ``[..., feature_width]``."""
+        return features[..., -self.cfg.hidden_size:]
 
     def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """fc(norm(h) ++ norm(emb(x))): ``[..., H]``."""
@@ -132,7 +207,8 @@ class EagleHead(SubsetHead):
 
     # ------------------------------------------------------------------ training forward
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced parallel pass (depth 1 of :meth:`unroll`): ``hidden`` ``[B, T, H]`` (h_{j-1}),
+        """Teacher-forced parallel pass (depth 1 of :meth:`unroll`): ``hidden`` ``[B, T, F]`` (the target's
+        features at j - 1, ``F = cfg.feature_width``),
         ``tokens`` ``[B, T]`` (x_j), ``positions`` ``[B, T]``; right-padded rows allowed. Returns
         features ``[B, T, H]``."""
         return self.unroll(hidden, tokens, positions, 1)[0]
@@ -153,7 +229,8 @@ class EagleHead(SubsetHead):
         Parameters
         ----------
         hidden : torch.Tensor
-            ``[B, T, H]`` the target's hidden states ``h_{j-1}`` of each entry.
+            ``[B, T, F]`` the target's features at ``j - 1`` of each entry (``F = cfg.feature_width``;
+            the last hidden state ``h_{j-1}`` alone for a head without fused features).
         tokens, positions : torch.Tensor
             ``[B, T]`` the entries' tokens ``x_j`` and positions. Windows may be right-padded: an entry
             only sees entries before it, so padding at the end never reaches a real entry.
@@ -174,7 +251,7 @@ class EagleHead(SubsetHead):
         keys, values, outs = [], [], []
         for k in range(1, depths + 1):
             if k == 1:
-                inp = hidden
+                inp = self.target_input(hidden)
             else:  # the parent's feature: depth k - 1 at j - 1 (zeros where no parent exists)
                 inp = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
             x = self.inputs(inp, tokens)  # [B, T, H]
@@ -204,20 +281,22 @@ class EagleHead(SubsetHead):
 
 
 def new_head(target, vocab_ids: torch.Tensor, *, num_heads: int = 8, head_dim: int | None = None,
-             intermediate_size: int | None = None, seed: int = 0) -> EagleHead:
-    """A freshly initialised head for ``target`` (a HF causal LM) over the subset ``vocab_ids``."""
+             intermediate_size: int | None = None, feature_layers: tuple[int, ...] = (), seed: int = 0
+             ) -> EagleHead:
+    """A freshly initialised head for ``target`` (a HF causal LM) over the subset ``vocab_ids``, reading
+    the target's ``feature_layers`` besides its last hidden state (fused features)."""
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     h = target.get_input_embeddings().weight.shape[1]
     cfg = HeadConfig(hidden_size=h, target_vocab_size=target.get_output_embeddings().weight.shape[0],
                      num_heads=num_heads, head_dim=head_dim or max(h // num_heads, 4),
                      intermediate_size=intermediate_size or int(math.ceil(h * 3.2 / 64) * 64),
                      rms_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
-                     softcap=getattr(text, "final_logit_softcapping", None))
+                     softcap=getattr(text, "final_logit_softcapping", None), feature_layers=tuple(feature_layers))
     torch.manual_seed(seed)
     head = EagleHead(cfg, torch.sort(torch.as_tensor(vocab_ids).long().unique()).values)
     with torch.no_grad():
-        for mod in head.modules():
-            if isinstance(mod, nn.Linear):
+        for name, mod in head.named_modules():
+            if isinstance(mod, nn.Linear) and name != "fuse":  # fuse starts as the projection onto h
                 nn.init.normal_(mod.weight, std=0.02)
         head.layer.o.weight.mul_(0.1)
         head.layer.down.weight.mul_(0.1)

@@ -7,7 +7,9 @@ a KV cache and returns their draft logits, ``commit(path)`` keeps the accepted r
 shape.
 
 How the head's inputs are formed (EAGLE, arXiv 2401.15077): the cache entry of the token at
-position ``j`` is built from ``(h_{j-1}, x_j)``, where ``h`` is the target's last hidden state.
+position ``j`` is built from ``(h_{j-1}, x_j)``, where ``h`` is the target's last hidden state (for a
+head with fused features, the target's features at ``j - 1``: earlier layers' outputs and the last
+hidden state, :mod:`treespec.models.features`).
 
 * committed tokens (the chain) and the root of each tree use the target's true hidden states,
   handed to the runner at the start of every proposal (:meth:`HeadRunner.observe`);
@@ -51,6 +53,7 @@ class HeadRunner:
         self.model = None  # no causal LM behind this runner
         self.device = head.hidden_norm.weight.device
         self.vocab_size = head.cfg.target_vocab_size
+        self.feature_layers = head.cfg.feature_layers  # the target layers the engine must hand over
         self.reset()
 
     def as_runner(self) -> "HeadRunner":
@@ -67,7 +70,7 @@ class HeadRunner:
         self.fed: torch.Tensor | None = None  # [nodes] bool
         self.tree: TokenTree | None = None
         self.root_position = 0
-        self.hidden: torch.Tensor | None = None  # [rows, H] target hidden states
+        self.hidden: torch.Tensor | None = None  # [rows, F] target features (F = head.cfg.feature_width)
         self.hidden_first = 0  # position of hidden row 0
 
     def observe(self, state: DraftState) -> None:
@@ -83,6 +86,11 @@ class HeadRunner:
             return
         if hid is None:
             raise ValueError("the head drafts from the target's hidden states: DraftState.target_hidden is None")
+        try:
+            hid = self.head.own_features(hid)
+        except ValueError as err:
+            raise ValueError(f"DraftState.target_hidden: {err} (the engine asks the target for the drafter's "
+                             "feature_layers)") from None
         first = len(state.tokens) - 1 - hid.shape[0]
         hid = hid.to(self.device)
         if self.hidden is not None and self.hidden_first + self.hidden.shape[0] == first:
@@ -120,7 +128,7 @@ class HeadRunner:
         m_entries = int(keep.sum())
         if m_entries:
             cpos = chain_pos[keep]
-            inputs.append(self._hidden_at(cpos - 1))
+            inputs.append(head.target_input(self._hidden_at(cpos - 1)))
             toks.append(chain.to(device)[keep])
             pos.append(cpos)
         if n:
@@ -136,7 +144,8 @@ class HeadRunner:
             if self.root_position == 0:  # no hidden state precedes position 0: zeros stand in (a guess;
                 root_hidden = torch.zeros(1, head.cfg.hidden_size, device=device)  # never committed)
             else:
-                root_hidden = self._hidden_at(torch.tensor([self.root_position - 1], device=device))  # [1, H]
+                root_hidden = head.target_input(self._hidden_at(torch.tensor([self.root_position - 1],
+                                                                             device=device)))  # [1, H]
             known = self.features[par.clamp(max=max(self.features.shape[0] - 1, 0))] if self.features.shape[0] \
                 else root_hidden.expand(n, -1)
             inputs.append(torch.where(is_root[:, None], root_hidden.float(), known.float()))
@@ -192,7 +201,7 @@ class HeadRunner:
         Parameters
         ----------
         hidden : torch.Tensor
-            ``[>= entries, H]`` the target's hidden states at positions ``0, 1, ...``.
+            ``[>= entries, F]`` the target's features at positions ``0, 1, ...``.
         tokens : torch.Tensor
             ``[>= entries + 1]`` the committed tokens at positions ``0, 1, ...``.
         """
@@ -200,7 +209,8 @@ class HeadRunner:
         if n == 0:
             return
         positions = torch.arange(1, n + 1, device=self.device)
-        x = self.head.inputs(hidden[:n].to(self.device), tokens[1:n + 1].to(self.device))[None]  # [1, n, H]
+        x = self.head.inputs(self.head.target_input(hidden[:n].to(self.device)),
+                             tokens[1:n + 1].to(self.device))[None]  # [1, n, H]
         _, self.keys, self.values = self.head.layer.qkv_heads(x, positions[None])  # [1, nh, n, hd] each
 
     # ------------------------------------------------------------------ cache commit
@@ -233,8 +243,10 @@ def head_depth_logits(head: EagleHead, target, ids: torch.Tensor, depths: int
     """
     if depths < 1:
         raise ValueError("depths must be >= 1")
+    from ..models.features import model_features
+
     with torch.no_grad():
-        hidden = target.base_model(input_ids=ids).last_hidden_state.float()[0]  # [L, H]
+        hidden = model_features(target, ids, layers=head.cfg.feature_layers).float()[0]  # [L, F]
         t_logits = target(ids).logits[0, 1:].float()  # [L - 1, V]
         n = ids.shape[1] - 1  # entries at positions 1..L-1
         positions = torch.arange(1, n + 1, device=ids.device)

@@ -151,7 +151,8 @@ class MedusaRunner:
             else:
                 raise ValueError("Medusa heads draft from the target's hidden states: "
                                  "DraftState.target_hidden is None")
-        self.depth_logits = self.heads(hid[-1:].to(self.device))[0]  # [K, |S|] on the heads' subset
+        h = hid[-1:, -self.heads.cfg.hidden_size:]  # the last hidden state (fused features end with it)
+        self.depth_logits = self.heads(h.to(self.device))[0]  # [K, |S|] on the heads' subset
         self.length = len(state.tokens) - 1
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,

@@ -66,6 +66,7 @@ class OnlineHeadDrafter:
         self.drafter = drafter
         self.runner: HeadRunner = drafter.runner
         self.head = self.runner.head
+        self.feature_layers = self.runner.feature_layers  # the target layers its head reads
         self.config = config
         self.params = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
@@ -80,7 +81,7 @@ class OnlineHeadDrafter:
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.drafter.begin(prompt_ids)
-        self.hidden = torch.zeros(0, self.head.cfg.hidden_size, device=self.runner.device)  # rows = positions 0..
+        self.hidden = torch.zeros(0, self.head.cfg.feature_width, device=self.runner.device)  # rows = positions 0..
         self.tokens: list[int] = list(prompt_ids)
         self.since_update = 0
 
@@ -89,7 +90,8 @@ class OnlineHeadDrafter:
         if hid is not None and hid.shape[0]:
             first = len(state.tokens) - 1 - hid.shape[0]  # position of the first new row
             if first == self.hidden.shape[0]:
-                self.hidden = torch.cat([self.hidden, hid.detach().float().to(self.hidden.device)])
+                own = self.head.own_features(hid.detach()).float()  # the columns this head reads
+                self.hidden = torch.cat([self.hidden, own.to(self.hidden.device)])
         self.tokens = list(state.tokens)
         return self.drafter.propose(state, sampling, generator)
 
@@ -110,7 +112,7 @@ class OnlineHeadDrafter:
         toks = torch.tensor(self.tokens, dtype=torch.long, device=self.hidden.device)
         hard = self.sub_index[toks[j + 1]] if int(j[-1]) + 1 < toks.numel() else None
         with torch.no_grad():
-            soft = torch.softmax(head.logits(self.hidden[j]), dim=-1)  # [n, |S|] target on the subset
+            soft = torch.softmax(head.logits(head.last_hidden(self.hidden[j])), dim=-1)  # [n, |S|] target on S
         head.train()
         with torch.enable_grad():
             for _ in range(cfg.steps):

@@ -111,7 +111,8 @@ class SubsetHead(nn.Module):
     def save(self, path: str | Path, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
         """Atomically write the trained weights + subset + config to one ``.safetensors`` file."""
         write_weights(path, self.state_dict(), self.vocab_ids, fmt=self.FORMAT, version=self.FORMAT_VERSION,
-                      config=asdict(self.cfg), extra=extra, dtype=dtype)
+                      config=self.cfg.record() if hasattr(self.cfg, "record") else asdict(self.cfg), extra=extra,
+                      dtype=dtype)
 
     @classmethod
     def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from .features import check_feature_layers, hf_layer_outputs, join_features, num_decoder_layers
 from .kv_cache import TreeKVCache
 
 from ..sampling import check_finite
@@ -100,8 +101,11 @@ def visible_keys(runner, nodes: torch.Tensor | None, m: int, n: int, base: int, 
 
 
 def finish_forward(runner, hidden: torch.Tensor, base: int, m: int, nodes: torch.Tensor | None,
-                   need_logits: bool, need_hidden: bool) -> dict[str, torch.Tensor]:
-    """Bookkeeping after a forward (the chain is committed, the nodes join ``slots``) and its result."""
+                   need_logits: bool, need_hidden: bool, features: torch.Tensor | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Bookkeeping after a forward (the chain is committed, the nodes join ``slots``) and its result:
+    ``logits`` from the last hidden state ``hidden``; ``hidden`` = ``features`` when given (the last
+    hidden state joined with earlier layers, :mod:`treespec.models.features`), else ``hidden``."""
     if m:
         runner.length = base + m
     if nodes is not None and nodes.numel():
@@ -110,7 +114,7 @@ def finish_forward(runner, hidden: torch.Tensor, base: int, m: int, nodes: torch
     if need_logits:
         result["logits"] = runner.logits(hidden)
     if need_hidden:
-        result["hidden"] = hidden
+        result["hidden"] = hidden if features is None else features
     return result
 
 
@@ -170,6 +174,7 @@ class ModelRunner:
         self.max_positions = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
         self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self._checked_layers: tuple[int, ...] = ()
         self.reset()
 
     def as_runner(self) -> "ModelRunner":
@@ -205,14 +210,17 @@ class ModelRunner:
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None,
                 chain: torch.Tensor | None = None, *, need_logits: bool = True,
-                need_hidden: bool = False) -> dict[str, torch.Tensor]:
+                need_hidden: bool = False, feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
         """Append ``chain`` (committed tokens, causal) then tree ``nodes`` to the cache.
 
         ``nodes`` (``[n]`` node indices, ancestors before descendants, the root among the first
         call's nodes) may only see the committed prefix, the chain and their own ancestors.
         The chain is committed at once. Returns ``logits`` ``[m + n, V]`` (float32, rows in input
-        order) and, if asked, ``hidden`` ``[m + n, H]``.
+        order) and, if asked, ``hidden`` ``[m + n, H]``; with ``feature_layers`` (checked against
+        the model by :func:`~treespec.models.features.check_feature_layers`) ``hidden`` holds
+        those layers' outputs before the last hidden state, ``[m + n, (k + 1) * H]``.
         """
+        layers = self._feature_layers(feature_layers) if need_hidden else ()  # checked before any bookkeeping
         base = self.length
         m, n, ids, q_pos = forward_inputs(self, tree, nodes, chain)
         past = self.key_positions.numel()
@@ -220,10 +228,26 @@ class ModelRunner:
         mask = self._masks(visible_keys(self, nodes, m, n, base, past + m + n), q_pos, k_pos)
         out = self.model.base_model(
             input_ids=ids[None], attention_mask=mask, position_ids=q_pos[None],
-            past_key_values=self.cache, use_cache=True,
+            past_key_values=self.cache, use_cache=True, output_hidden_states=bool(layers),
         )
         self.key_positions = k_pos
-        return finish_forward(self, out.last_hidden_state[0], base, m, nodes, need_logits, need_hidden)
+        last = out.last_hidden_state[0]  # [m + n, H]
+        if layers:
+            outputs = hf_layer_outputs(out)
+            features = join_features({i: outputs[i][0] for i in layers}, last, layers)
+        else:
+            features = None
+        return finish_forward(self, last, base, m, nodes, need_logits, need_hidden, features)
+
+    def _feature_layers(self, layers) -> tuple[int, ...]:
+        """``layers`` checked against this model (cached per distinct request: hot path)."""
+        layers = tuple(layers)
+        if not layers:
+            return ()
+        if layers != self._checked_layers:
+            check_feature_layers(layers, num_decoder_layers(self.model))
+            self._checked_layers = layers
+        return layers
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (plus final soft-capping where the model has it): ``[..., H]`` -> float32 ``[..., V]``."""

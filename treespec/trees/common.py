@@ -72,6 +72,8 @@ class RunnerDrafter:
         elif self.vocab_size != self.runner.vocab_size:
             raise ValueError(f"draft head built for a {self.runner.vocab_size}-token vocabulary, target has "
                              f"{self.vocab_size}")
+        #: target layers the runner reads besides the last hidden state (a head with fused features)
+        self.feature_layers: tuple[int, ...] = tuple(getattr(self.runner, "feature_layers", ()))
         # proposed node index -> runner node index (identity when the runner's tree is the proposal)
         self._runner_index: list[int] | None = None
         self.draft_forwards = 0  # draft forward passes in the last proposal (cost accounting)

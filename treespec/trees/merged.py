@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..drafting.base import Draft, Drafter, DraftState
+from ..drafting.base import Draft, Drafter, DraftState, feature_layers
 from ..drafting.ngram import NgramConfig, find_continuations
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
@@ -48,6 +48,7 @@ class MergedDrafter:
     def __init__(self, model_drafter: Drafter, ngram: NgramConfig = NgramConfig()) -> None:
         self.model = model_drafter
         self.ngram = ngram
+        self.feature_layers = feature_layers(model_drafter)  # the target layers its head reads
 
     def law(self, sampling: SamplingConfig) -> str:
         law = self.model.law(sampling)

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 
 from ...sampling import check_finite
 from ...tree import TokenTree
+from ..features import join_features
 from ..runner import ModelRunner, finish_forward, forward_inputs, visible_keys
 from .packed import pack_weight, packed_linear, prepack_default
 from .quant import QUANTIZE_MODES, int4_linear, quantize_int4
@@ -215,8 +216,9 @@ class FastGemmaRunner(ModelRunner):
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None,
                 chain: torch.Tensor | None = None, *, need_logits: bool = True,
-                need_hidden: bool = False) -> dict[str, torch.Tensor]:
+                need_hidden: bool = False, feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
         """Same contract as :meth:`ModelRunner.forward`."""
+        layers = self._feature_layers(feature_layers) if need_hidden else ()
         kv = self.kv
         base = self.length
         m, n, ids, q_pos = forward_inputs(self, tree, nodes, chain)
@@ -226,12 +228,16 @@ class FastGemmaRunner(ModelRunner):
         kv.positions[past:total] = q_pos
         k_pos = kv.positions[:total]
         masks = self._masks(visible_keys(self, nodes, m, n, base, total), q_pos, k_pos)
-        hidden = self._body(ids, q_pos, masks, past, total)
+        outputs: dict[int, torch.Tensor] = {}
+        hidden = self._body(ids, q_pos, masks, past, total, layers, outputs)
         kv.used = total
-        return finish_forward(self, hidden, base, m, nodes, need_logits, need_hidden)
+        features = join_features(outputs, hidden, layers) if layers else None
+        return finish_forward(self, hidden, base, m, nodes, need_logits, need_hidden, features)
 
-    def _body(self, ids: torch.Tensor, q_pos: torch.Tensor, masks: dict, past: int, total: int) -> torch.Tensor:
-        """Embedding, decoder layers and final norm for ``ids`` at ``q_pos``; writes the cache."""
+    def _body(self, ids: torch.Tensor, q_pos: torch.Tensor, masks: dict, past: int, total: int,
+              layers: tuple[int, ...] = (), outputs: dict | None = None) -> torch.Tensor:
+        """Embedding, decoder layers and final norm for ``ids`` at ``q_pos``; writes the cache and the
+        outputs of the decoder ``layers`` into ``outputs`` (layer index -> ``[Q, H]``)."""
         q = ids.numel()
         heads, kvh, dim, g, eps = self.num_heads, self.kv_heads, self.head_dim, self.groups, self.eps
         rope = self._rope(q_pos)
@@ -257,6 +263,8 @@ class FastGemmaRunner(ModelRunner):
             x = _rms(h, n_pre, eps)
             x = linear(act(linear(x, wg)) * linear(x, wu), wd)
             h = h + _rms(x, n_ff, eps)
+            if i in layers:
+                outputs[i] = h
         return _rms(h, self.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
