@@ -302,7 +302,7 @@ def test_bad_layers_and_mismatched_runs_are_refused(target, fused_head, fused_co
     cfg = json.loads(meta["config"])
     cfg["feature_layers"] = 5
     save_file(load_file(str(path)), str(path), metadata={**meta, "config": json.dumps(cfg)})
-    with pytest.raises(ValueError, match="feature_layers must be a list"):
+    with pytest.raises(ValueError, match="feature layers must be a list"):
         EagleHead.load(path, target)
     # a run asking for other layers than its initial head reads
     with pytest.raises(DistillInputError, match=r"feature-layers \[1\].*reads \[0, 2\]"):

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
-from ..models.features import check_feature_layers, model_features, num_decoder_layers
+from ..models.features import check_feature_layers, model_features, normalise_feature_layers, num_decoder_layers
 from .inputs import DistillInputError, require_dir, require_file
 
 MANIFEST = "manifest.json"
@@ -146,10 +146,10 @@ class CorpusOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise DistillInputError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
-        layers = tuple(int(x) for x in self.feature_layers)  # a manifest stores a JSON list
-        if any(b <= a for a, b in zip(layers, layers[1:])) or (layers and layers[0] < 0):
-            raise DistillInputError(f"feature-layers must be strictly increasing layer indices >= 0, got {list(layers)}")
-        object.__setattr__(self, "feature_layers", layers)
+        try:  # a manifest stores a JSON list
+            object.__setattr__(self, "feature_layers", normalise_feature_layers(self.feature_layers))
+        except ValueError as err:
+            raise DistillInputError(str(err)) from None
 
     def record(self) -> dict:
         """The options as stored in a manifest and fingerprinted (``feature_layers`` only when set, so

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..drafting.head import EagleHead, HeadConfig, new_head
 from ..files import atomic_write_json, remove_stale_temporaries
+from ..models.features import normalise_feature_layers
 from .corpus import load_manifest
 from .inputs import DistillInputError, load_checkpoint, read_head_file, require_dir
 from .loop import LoopConfig, latest_checkpoint, open_run, run_loop
@@ -82,10 +83,10 @@ class TrainConfig:
         for name in ("head_dim", "intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        layers = tuple(int(x) for x in self.feature_layers)
-        if any(b <= a for a, b in zip(layers, layers[1:])) or (layers and layers[0] < 0):
-            raise DistillInputError(f"feature-layers must be strictly increasing layer indices >= 0, got {list(layers)}")
-        self.feature_layers = layers
+        try:
+            self.feature_layers = normalise_feature_layers(self.feature_layers)
+        except ValueError as err:
+            raise DistillInputError(str(err)) from None
         if self.soft not in ("subset", "topk") or self.amp not in ("auto", "bf16", "off"):
             raise DistillInputError(f"soft must be subset / topk and amp auto / bf16 / off, got {self.soft!r}, "
                                     f"{self.amp!r}")

@@ -52,14 +52,10 @@ class HeadConfig:
     feature_layers: tuple[int, ...] = ()  # target layers read besides the last hidden state (fused features)
 
     def __post_init__(self) -> None:
-        layers = self.feature_layers  # a weights file stores a JSON list
-        if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                             for x in layers):
-            raise ValueError(f"feature_layers must be a list of decoder layer indices, got {layers!r}")
-        layers = tuple(layers)
-        if any(b <= a for a, b in zip(layers, layers[1:])) or (layers and layers[0] < 0):
-            raise ValueError(f"feature_layers must be strictly increasing layer indices >= 0, got {list(layers)}")
-        object.__setattr__(self, "feature_layers", layers)
+        from ..models.features import normalise_feature_layers
+
+        # a weights file stores a JSON list
+        object.__setattr__(self, "feature_layers", normalise_feature_layers(self.feature_layers))
 
     def record(self) -> dict:
         """The config as a weights file stores it (``feature_layers`` only when set: an unfused head's

@@ -28,6 +28,18 @@ def num_decoder_layers(model) -> int:
     return int(n)
 
 
+def normalise_feature_layers(layers) -> tuple[int, ...]:
+    """``layers`` (a list or tuple of ints, e.g. read from JSON) as a tuple of strictly increasing
+    indices >= 0; a ``ValueError`` naming the problem otherwise (the target's depth is not checked)."""
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                         for x in layers):
+        raise ValueError(f"feature layers must be a list of decoder layer indices, got {layers!r}")
+    out = tuple(layers)
+    if any(b <= a for a, b in zip(out, out[1:])) or (out and out[0] < 0):
+        raise ValueError(f"feature layers must be strictly increasing layer indices >= 0, got {list(out)}")
+    return out
+
+
 def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
     """``layers`` as a tuple of strictly increasing layer indices in ``[0, num_layers - 2]``.
 
