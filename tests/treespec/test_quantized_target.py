@@ -98,11 +98,10 @@ class OffByOneCodes(FastGemmaRunner):
 
     def refresh(self):
         super().refresh()
-        layer = list(self.layers[1])
-        w = self.model.model.layers[1].mlp.gate_proj.weight
-        codes, sz = quantize_codes(w)
-        layer[10] = quantize_int4(dequantize((codes + 1).clamp(max=15), sz).to(w.dtype))
-        self.layers[1] = tuple(layer)
+        mlp = self.model.model.layers[1].mlp
+        codes, sz = quantize_codes(mlp.gate_proj.weight)
+        gate = dequantize((codes + 1).clamp(max=15), sz).to(mlp.gate_proj.weight.dtype)
+        self.layers[1] = self.layers[1]._replace(gate_up=quantize_int4(torch.cat([gate, mlp.up_proj.weight])))
 
 
 @pytest.mark.parametrize("prefix_len", [2, 21])  # 21 > the sliding window of 8
@@ -164,13 +163,16 @@ def test_refusals_name_the_problem():
         quantize_int4(torch.randn(16, 40))
     with pytest.raises(ValueError, match="multiple of 16"):
         quantize_int4(torch.randn(8, 32))
-    # Gemma-3-270M's layout (one KV head of 8 dims here) gives a k projection of 8 rows: refused by name
-    one_kv = tiny_model("gemma3", V, num_layers=2)
-    one_kv.config.num_key_value_heads = 1
+    # q/k/v are quantised as one stacked weight: one KV head of 8 dims beside 4 query heads gives
+    # (4 + 2) * 8 = 48 rows (covered); a single query head gives 24 rows: refused by name
     from transformers import Gemma3ForCausalLM
 
-    with pytest.raises(ValueError, match="multiple of 16"):
-        FastGemmaRunner(Gemma3ForCausalLM(one_kv.config).eval(), quantize="int4")
+    config = tiny_model("gemma3", V, num_layers=2).config
+    config.num_key_value_heads = 1
+    assert FastGemmaRunner(Gemma3ForCausalLM(config).eval(), quantize="int4").quantize == "int4"
+    config.num_attention_heads = 1
+    with pytest.raises(ValueError, match=r"\(24, 32\) weight.*multiple of 16"):
+        FastGemmaRunner(Gemma3ForCausalLM(config).eval(), quantize="int4")
     assert type(make_runner(gemma(), quantize="int4")) is FastGemmaRunner
 
 

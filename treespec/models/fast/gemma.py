@@ -7,7 +7,9 @@ written out layer by layer on the HF module's own parameters, instead of calling
 call, GQA folded into the query rows (one attention matmul per KV head), keys and values written
 in place into a preallocated :class:`~.static_cache.StaticKVCache`.
 
-Weights: in float32 the runner reads the module's parameters directly (no copy). In bf16 on a CPU
+Weights: the q/k/v projections are stacked into one ``[(heads + 2 kv_heads) * head_dim, H]`` weight and
+gate/up into one ``[2 intermediate, H]`` weight (fewer, larger products per layer; the same values,
+tested bit for bit in bf16); the other float32 weights are the module's parameters (no copy). In bf16 on a CPU
 with oneDNN it keeps, by default (``prepack``), a oneDNN-blocked copy of every linear weight
 (LM head included: +536 MB for Gemma-3-270M, made once in about 0.5 s): a plain bf16 ``F.linear``
 reorders the whole weight on every call, which made the 262k-row LM head cost about 3x the time
@@ -34,6 +36,8 @@ The eager runner stays the reference: ``tests/treespec/test_fast_runner.py`` che
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,15 +77,39 @@ def fast_supported(model) -> str | None:
 
 
 def _rms(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma3RMSNorm: float32 normalisation times ``w1 = 1 + weight`` (float32), cast back."""
+    """Gemma3RMSNorm: float32 normalisation times ``w1 = 1 + weight`` (float32), cast back.
+
+    ``mean`` is spelled ``sum(...).div_(n)``, which is how ATen computes a CPU mean (the same bits,
+    tested), without the per-call overhead of ``mean``; the in-place steps only skip allocations."""
     xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * w1).to(x.dtype)
+    inv = xf.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
+    return (xf * inv).mul_(w1).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [x2, x1]`` on the last dim: HF's ``rotate_half`` without its negation, which moves
+    into the sine (``(-x2) * s`` and ``x2 * (-s)`` are the same number in every float format)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer as the runner reads it: linear weights in the form ``runner.linear`` takes
+    (q/k/v projections stacked into one product, gate/up into another: one call each, the same
+    values as separate products), RMSNorm gains as ``1 + w`` in float32."""
+
+    sliding: bool
+    norm_in: torch.Tensor  # [H]
+    qkv: object  # [(heads + 2 kv_heads) * head_dim, H]
+    norm_qk: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm per query head, then k_norm per kv head
+    o: object  # [H, heads * head_dim]
+    norm_post_att: torch.Tensor
+    norm_pre_mlp: torch.Tensor
+    gate_up: object  # [2 intermediate, H]
+    down: object  # [H, intermediate]
+    act: torch.nn.Module
+    norm_post_mlp: torch.Tensor
+    intermediate: int
 
 
 class FastGemmaRunner(ModelRunner):
@@ -138,16 +166,26 @@ class FastGemmaRunner(ModelRunner):
         def one_plus(norm) -> torch.Tensor:
             return 1.0 + norm.weight.float()
 
-        self.layers = []
+        def joined(*weights: torch.Tensor) -> torch.Tensor:
+            return lin(torch.cat([w.detach() for w in weights]))  # [sum of out, in]
+
+        heads, kvh = self.num_heads, self.kv_heads
+        self.layers: list[LayerWeights] = []
         for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
             att, mlp = layer.self_attn, layer.mlp
-            self.layers.append((
-                cfg.layer_types[i] == "sliding_attention",
-                one_plus(layer.input_layernorm), lin(att.q_proj.weight), lin(att.k_proj.weight), lin(att.v_proj.weight),
-                one_plus(att.q_norm), one_plus(att.k_norm), lin(att.o_proj.weight),
-                one_plus(layer.post_attention_layernorm), one_plus(layer.pre_feedforward_layernorm),
-                lin(mlp.gate_proj.weight), lin(mlp.up_proj.weight), lin(mlp.down_proj.weight), mlp.act_fn,
-                one_plus(layer.post_feedforward_layernorm),
+            self.layers.append(LayerWeights(
+                sliding=cfg.layer_types[i] == "sliding_attention",
+                norm_in=one_plus(layer.input_layernorm),
+                qkv=joined(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
+                norm_qk=torch.cat([one_plus(att.q_norm).expand(heads, -1), one_plus(att.k_norm).expand(kvh, -1)]),
+                o=lin(att.o_proj.weight),
+                norm_post_att=one_plus(layer.post_attention_layernorm),
+                norm_pre_mlp=one_plus(layer.pre_feedforward_layernorm),
+                gate_up=joined(mlp.gate_proj.weight, mlp.up_proj.weight),
+                down=lin(mlp.down_proj.weight),
+                act=mlp.act_fn,
+                norm_post_mlp=one_plus(layer.post_feedforward_layernorm),
+                intermediate=mlp.gate_proj.weight.shape[0],
             ))
         self.final_norm = one_plus(base.norm)
         rot = base.rotary_emb
@@ -188,13 +226,15 @@ class FastGemmaRunner(ModelRunner):
             freqs = pos * inv
             emb = torch.cat((freqs, freqs), dim=-1)
             scale = self.rope_scaling[kind]
-            cos, sin = emb.cos() * scale, emb.sin() * scale
-            out[kind == "sliding_attention"] = (cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None])
+            cos, sin = (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)  # [Q, head_dim]
+            half = sin.shape[-1] // 2
+            sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # pairs with _swap_halves
+            out[kind == "sliding_attention"] = (cos[:, None], sin_signed[:, None])
         if False not in out:
             out[False] = out[True]
         if True not in out:
             out[True] = out[False]
-        return out  # sliding? -> (cos, sin) [Q, 1, head_dim]
+        return out  # sliding? -> (cos, sin_signed) [Q, 1, head_dim]
 
     def _masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """``visible`` ``[Q, K]`` -> {sliding?: additive mask ``[1, 1, groups * Q, K]``} (GQA-folded rows)."""
@@ -240,29 +280,30 @@ class FastGemmaRunner(ModelRunner):
         outputs of the decoder ``layers`` into ``outputs`` (layer index -> ``[Q, H]``)."""
         q = ids.numel()
         heads, kvh, dim, g, eps = self.num_heads, self.kv_heads, self.head_dim, self.groups, self.eps
+        qk_width = (heads + kvh) * dim
         rope = self._rope(q_pos)
         linear = self.linear
         K, V = self.kv.k, self.kv.v
         h = F.embedding(ids, self.embed) * self.embed_scale  # [Q, H]
-        for i, (sliding, n_in, wq, wk, wv, n_q, n_k, wo, n_post, n_pre, wg, wu, wd, act, n_ff) in enumerate(self.layers):
-            x = _rms(h, n_in, eps)
-            qs = _rms(linear(x, wq).view(q, heads, dim), n_q, eps)
-            ks = _rms(linear(x, wk).view(q, kvh, dim), n_k, eps)
-            vs = linear(x, wv).view(q, kvh, dim)
-            cos, sin = rope[sliding]
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
-            K[i, :, past:total] = ks.transpose(0, 1)
-            V[i, :, past:total] = vs.transpose(0, 1)
+        for i, w in enumerate(self.layers):
+            x = _rms(h, w.norm_in, eps)
+            qkv = linear(x, w.qkv)  # [Q, (heads + 2 kv_heads) * dim]
+            # q and k heads side by side: one norm (each head row its own q / k gains), one rotation
+            qk = _rms(qkv[:, :qk_width].view(q, heads + kvh, dim), w.norm_qk, eps)
+            cos, sin_signed = rope[w.sliding]
+            qk = qk * cos + _swap_halves(qk) * sin_signed
+            K[i, :, past:total] = qk[:, heads:].transpose(0, 1)
+            V[i, :, past:total] = qkv[:, qk_width:].view(q, kvh, dim).transpose(0, 1)
             # GQA folded: query row j * Q + t is head (kv * groups + j) of token t
-            qf = qs.view(q, kvh, g, dim).permute(1, 2, 0, 3).reshape(1, kvh, g * q, dim)
+            qf = qk[:, :heads].reshape(q, kvh, g, dim).permute(1, 2, 0, 3).reshape(1, kvh, g * q, dim)
             att = F.scaled_dot_product_attention(qf, K[i, :, :total][None], V[i, :, :total][None],
-                                                 attn_mask=masks[sliding], scale=self.scaling)
+                                                 attn_mask=masks[w.sliding], scale=self.scaling)
             att = att.view(kvh, g, q, dim).permute(2, 0, 1, 3).reshape(q, heads * dim)
-            h = h + _rms(linear(att, wo), n_post, eps)
-            x = _rms(h, n_pre, eps)
-            x = linear(act(linear(x, wg)) * linear(x, wu), wd)
-            h = h + _rms(x, n_ff, eps)
+            h = h + _rms(linear(att, w.o), w.norm_post_att, eps)
+            x = _rms(h, w.norm_pre_mlp, eps)
+            gate_up = linear(x, w.gate_up)  # [Q, 2 intermediate]
+            x = linear(w.act(gate_up[:, : w.intermediate]) * gate_up[:, w.intermediate:], w.down)
+            h = h + _rms(x, w.norm_post_mlp, eps)
             if i in layers:
                 outputs[i] = h
         return _rms(h, self.final_norm, eps)
