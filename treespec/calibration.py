@@ -166,20 +166,27 @@ def measure_weight_stream(model, repeats: int = 5) -> tuple[float, int]:
     """(seconds, bytes): the median time to read every weight byte of ``model`` (a module, or a list
     of tensors such as :func:`runner_weights`) once (one reduction per distinct storage; tied
     weights count once): the memory-bandwidth floor of a decoding step that reads all weights."""
+    tensors = _stream_words(model)
+    times = [_read_once(tensors) for _ in range(repeats + 1)]  # the first pass warms up
+    return statistics.median(times[1:]), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _stream_words(model) -> list[torch.Tensor]:
+    """The distinct weight storages of ``model`` (module or tensor list) as :func:`_as_words` views."""
     seen, tensors = set(), []
     for t in (model if isinstance(model, list) else [*model.parameters(), *model.buffers()]):
         key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.numel())
         if t.numel() and key not in seen:
             seen.add(key)
             tensors.append(_as_words(t.detach()))
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    times = []
-    for _ in range(repeats + 1):  # the first pass warms up
-        t0 = time.perf_counter()
-        for t in tensors:
-            t.sum()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), nbytes
+    return tensors
+
+
+def _read_once(tensors: list[torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for t in tensors:
+        t.sum()
+    return time.perf_counter() - t0
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
@@ -196,7 +203,8 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
                     repeats: int = 3, draft_width: int = 4, warmup: int = 2, fast: bool = False,
                     stream: bool = True, quantize: str | None = None) -> HardwareProfile:
     """Time target tree passes of ``sizes`` tokens after a ``prefix``-token context, and one draft
-    step (a ``draft_width``-node frontier) of ``draft`` (None: c = 0). Medians of ``repeats``.
+    step (a ``draft_width``-node frontier) of ``draft`` (None: c = 0). Medians over ``repeats`` rounds
+    (at least 3 with ``stream``), each one weight read then one pass of every size, in that order.
     ``fast``: through the fast runners (:func:`treespec.models.fast.make_runner`) where they cover
     the model. ``stream``: also time reading every target weight once (``stream_s``; for a target
     quantised by ``quantize``, the weights its runner reads). ``quantize``: see :func:`make_runner`."""
@@ -210,7 +218,19 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
     runner.forward(None, None, torch.arange(1, prefix + 1, device=runner.device) % vocab, need_logits=False)
     for _ in range(warmup):
         _time_tree_pass(runner, sizes[-1], 1, vocab)
-    verify = [_time_tree_pass(runner, n, repeats, vocab) for n in sizes]
+    # rounds: one weight read (the bandwidth reference) then one pass of every size, so that every
+    # ratio (t(n) / t(1), t(1) / streaming) pairs measurements taken moments apart (memory bandwidth
+    # on a shared host drifts by tens of percent within seconds)
+    words = _stream_words(runner_weights(runner)) if stream else []
+    if words:
+        _read_once(words)  # warm-up
+    stream_times, times = [], {n: [] for n in sizes}
+    for _ in range(max(repeats, 3) if stream else repeats):
+        if words:
+            stream_times.append(_read_once(words))
+        for n in sizes:
+            times[n].append(_time_tree_pass(runner, n, 1, vocab))
+    verify = [statistics.median(times[n]) for n in sizes]
     draft_s = 0.0
     if draft is not None:
         drunner = make_runner(draft, fast=fast)
@@ -224,5 +244,6 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
             "torch": torch.__version__, "prefix": prefix, "repeats": repeats, "draft_width": draft_width,
             "target": type(runner.model).__name__, "runner": type(runner).__name__,
             "dtype": str(runner.dtype).replace("torch.", ""), "quantize": quantize}
-    stream_s, nbytes = measure_weight_stream(runner_weights(runner), max(repeats, 3)) if stream else (0.0, 0)
+    stream_s = statistics.median(stream_times) if words else 0.0
+    nbytes = sum(t.numel() * t.element_size() for t in words)
     return HardwareProfile(list(sizes), verify, draft_s, meta, stream_s, nbytes)
