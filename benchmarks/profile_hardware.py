@@ -53,6 +53,53 @@ def quantised_agreement(target, quantize: str, rows: int = 6, tokens: int = 200)
     return {"positions": n, "top1_agreement": agree / n, "mean_kl_nats": kl / n, "source": str(CORPUS.name)}
 
 
+@torch.no_grad()
+def component_times(target, quantize: str | None = None, sizes: tuple[int, ...] = (1, 16), rounds: int = 9,
+                    prefix: int = 128) -> dict:
+    """Where a fast-runner tree pass of n tokens goes, medians over interleaved rounds (ms): the whole
+    pass (logits included), the body (embedding, decoder layers, final norm: the pass without logits),
+    the LM head product alone on n hidden rows, and the LM head's arithmetic rate (GFLOP/s, 2 n V H
+    flops); ``rest`` = pass - body - LM head (float32 logits, the NaN check, masks, bookkeeping)."""
+    import statistics
+
+    from treespec.models.fast import make_runner
+    from treespec.tree import TokenTree
+
+    runner = make_runner(target, fast=True, quantize=quantize)
+    runner.reset()
+    runner.forward(None, None, torch.arange(1, prefix + 1) % runner.vocab_size, need_logits=False)
+    hidden_size, vocab = runner.model.config.hidden_size, runner.vocab_size
+    trees = {n: (TokenTree.from_lists([-1] + [0] * (n - 1), list(range(1, n + 1))), torch.arange(n)) for n in sizes}
+    rows = {n: torch.randn(n, hidden_size, dtype=runner.dtype) for n in sizes}
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def tree_pass(n: int, logits: bool):
+        def run():
+            runner.forward(*trees[n], need_logits=logits)
+            runner.commit([])
+        return run
+
+    parts = {(n, part): [] for n in sizes for part in ("pass", "body", "lm_head")}
+    for r in range(rounds + 1):  # the first round warms up
+        for n in sizes:
+            for part, fn in (("pass", tree_pass(n, True)), ("body", tree_pass(n, False)),
+                             ("lm_head", lambda: runner.linear(rows[n], runner.lm_head_weight))):
+                t = timed(fn)
+                if r:
+                    parts[(n, part)].append(t)
+    out = {}
+    for n in sizes:
+        med = {part: statistics.median(parts[(n, part)]) * 1000 for part in ("pass", "body", "lm_head")}
+        med["rest"] = med["pass"] - med["body"] - med["lm_head"]
+        med["lm_head_gflops"] = 2 * n * vocab * hidden_size / (med["lm_head"] / 1000) / 1e9
+        out[str(n)] = med
+    return {"rounds": rounds, "prefix": prefix, "quantize": quantize, "ms": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32")
@@ -81,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     if args.quantize:
         meta["quantised_agreement"] = quantised_agreement(target, args.quantize)
+    if args.fast or args.compare:
+        meta["components"] = {"fast": component_times(target)}
+        if args.quantize:
+            meta["components"][args.quantize] = component_times(target, args.quantize)
     write_json(out / "meta.json", meta)
     lines = [f"# Hardware profile ({meta['commit']}): Gemma-3-270M {args.dtype}, {args.threads} threads", "",
              f"{meta['machine']['cpu']}"]
@@ -100,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
             lines += ["", f"{mode} vs the unquantised target (teacher-forced on {q['positions']} positions of its own "
                           f"greedy continuations of train prompts): top-1 agreement {q['top1_agreement']:.3f}, "
                           f"mean KL {q['mean_kl_nats']:.3f} nats"]
+    for name, comp in meta.get("components", {}).items():
+        lines += ["", f"## Where a fast-runner pass goes ({name}; medians of {comp['rounds']} interleaved rounds, ms)", "",
+                  "| n | pass | body (layers) | LM head | rest | LM head GFLOP/s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {n} | {c['pass']:.1f} | {c['body']:.1f} | {c['lm_head']:.1f} | {c['rest']:.1f} | "
+                  f"{c['lm_head_gflops']:.0f} |" for n, c in comp["ms"].items()]
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     finish(out, started)
     print("\n".join(lines))

@@ -102,3 +102,20 @@ def test_head_ablation_tiny(tmp_path):
     assert fused["changes"] == {"feature_layers": [0, 2]} and fused["train_summary"]["step"] == 6
     assert len(fused["top1_agreement_T0_by_depth"]) == 3 and fused["positions_T0_by_depth"][0] > 0
     assert "| fused |" in (out / "table.md").read_text()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_profile_components_add_up(dtype):
+    """profile_hardware's breakdown on a tiny Gemma-3: every part measured, the rest is what the pass
+    spends outside the body and the LM head product, and the LM head rate follows from its time."""
+    import torch
+
+    from benchmarks.profile_hardware import component_times
+    from treespec.models.tiny import tiny_model
+
+    model = tiny_model("gemma3", 64, num_layers=2).to(getattr(torch, dtype)).eval()
+    comp = component_times(model, sizes=(1, 4), rounds=3, prefix=8)
+    for n, c in comp["ms"].items():
+        assert min(c["pass"], c["body"], c["lm_head"]) > 0
+        assert c["rest"] == pytest.approx(c["pass"] - c["body"] - c["lm_head"])
+        assert c["lm_head_gflops"] == pytest.approx(2 * int(n) * 64 * 32 / (c["lm_head"] / 1000) / 1e9, rel=1e-9)
