@@ -8,7 +8,7 @@ agreement and sum min(p, q) at tree depths 1..6 along them (``treespec.distill.e
 depth k = the node k levels below a root whose path follows the text), and one head step against one
 target step.
 
-    python benchmarks/head_ablation.py --steps 1000 [--variants base,ttt3,vocab32k] [--time-limit 40]
+    python benchmarks/head_ablation.py --steps 1000 [--variants base,ttt3,vocab32k] [--time-limit 40] [--max-shards 31]
     python benchmarks/head_ablation.py --tiny    # smoke test: a tiny random target, its own corpus, 20 steps
 
 Training runs resume (checkpoints in the cache under distill/runs/ablation-<name>-<steps>); a variant's
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=None, help="minutes of training per variant per call")
+    ap.add_argument("--max-shards", type=int, default=None,
+                    help="train every variant on the first N shards of each corpus (pins a corpus that is still growing)")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test on a tiny random Gemma-3 target with its own small corpus (temporary folders)")
     add_output_args(ap)
@@ -156,7 +158,7 @@ def _main(args, tmp: Path | None) -> int:
         if path.exists():
             results[name] = json.loads(path.read_text())
             continue
-        options = {**BASE, **resolve(VARIANTS[name], layers), "steps": args.steps, "seed": args.seed,
+        options = {**BASE, **resolve(VARIANTS[name], layers), "steps": args.steps, "seed": args.seed, "max_shards": args.max_shards,
                    "time_limit_s": None if args.time_limit is None else args.time_limit * 60}
         head, summary = train(target, corpora if len(corpora) > 1 else corpora[0],
                               runs / f"ablation-{name}-{args.steps}", TrainConfig(**options), log=print,

@@ -293,3 +293,25 @@ def test_training_on_several_corpora(target, corpus, tmp_path):
         _, summary = train(target, [corpus[0], corpus[0]], tmp_path, TrainConfig(**{**CFG.__dict__, "steps": 3}),
                            progress=False, log=lambda *_: None)
     assert summary["step"] == 3 and (tmp_path / "head.safetensors").exists()
+
+
+def test_max_shards_pins_the_first_shards(target, corpus, tmp_path):
+    """``max_shards`` trains on the first N shards of a corpus only: the sampler and the vocabulary
+    see exactly those (a corpus still growing gives every run the same data); asking for more shards
+    than are finished is refused by name."""
+    from treespec.distill.train import DistillInputError, ShardSampler, choose_vocab, corpus_shards
+
+    out, man = corpus
+    assert len(man["shards"]) >= 3
+    cfg = TrainConfig(**{**CFG.__dict__, "steps": 2, "max_shards": 2})
+    assert [sh["file"] for _, sh in ShardSampler(out, cfg).shards] == [sh["file"] for sh in man["shards"][:2]]
+    assert len(corpus_shards([out, out], 2)) == 4
+    # a pinned vocabulary counts the pinned shards only (one shard: differs from the whole corpus here)
+    assert not torch.equal(choose_vocab(out, 12, max_shards=1), choose_vocab(out, 12))
+    with torch.enable_grad():
+        _, summary = train(target, out, tmp_path / "run", cfg, progress=False, log=lambda *_: None)
+    assert summary["step"] == 2
+    with pytest.raises(DistillInputError, match="fewer than max_shards"):
+        corpus_shards(out, len(man["shards"]) + 1)
+    with pytest.raises(DistillInputError, match="max-shards must be >= 1"):
+        TrainConfig(max_shards=0)

@@ -69,6 +69,7 @@ class TrainConfig:
     seed: int = 0
     amp: str = "auto"  # "auto" | "bf16" | "off"
     time_limit_s: float | None = None
+    max_shards: int | None = None  # train on the first N shards of each corpus only (pins a growing corpus)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "vocab_size", "num_heads", "steps_per_shard", "ckpt_every",
@@ -80,7 +81,7 @@ class TrainConfig:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or not self.grad_clip > 0:
             raise DistillInputError(f"lr and grad-clip must be > 0, got {self.lr} and {self.grad_clip}")
-        for name in ("head_dim", "intermediate_size"):
+        for name in ("head_dim", "intermediate_size", "max_shards"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         try:
@@ -106,14 +107,23 @@ def autocast_for(device: torch.device, amp: str):
     return nullcontext(), "fp32"
 
 
-def corpus_shards(corpus_dir) -> list[tuple[Path, dict]]:
-    """(file, shard entry) of every finished shard of one corpus directory or a list of them."""
+def corpus_shards(corpus_dir, max_shards: int | None = None) -> list[tuple[Path, dict]]:
+    """(file, shard entry) of every finished shard of one corpus directory or a list of them; with
+    ``max_shards``, the first ``max_shards`` of each directory (refused where fewer are finished)."""
     dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
-    return [(Path(d) / sh["file"], sh) for d in dirs for sh in load_manifest(d)["shards"]]
+    out = []
+    for d in dirs:
+        shards = load_manifest(d)["shards"]
+        if max_shards is not None:
+            if len(shards) < max_shards:
+                raise DistillInputError(f"corpus {d}: {len(shards)} finished shards, fewer than max_shards={max_shards}")
+            shards = shards[:max_shards]
+        out += [(Path(d) / sh["file"], sh) for sh in shards]
+    return out
 
 
-def choose_vocab(corpus_dir, size: int, always: list[int] = (), extra_counts: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def choose_vocab(corpus_dir, size: int, always: list[int] = (), extra_counts: torch.Tensor | None = None,
+                 max_shards: int | None = None) -> torch.Tensor:
     """The ``size`` most frequent target tokens of the corpus (next tokens + top-k mass), sorted ids.
 
     ``extra_counts`` ``[V]`` (e.g. token counts of every train prompt, available before the corpus
@@ -123,7 +133,7 @@ def choose_vocab(corpus_dir, size: int, always: list[int] = (), extra_counts: to
     first = corpus_dir if isinstance(corpus_dir, (str, Path)) else corpus_dir[0]
     man = load_manifest(first)
     counts = torch.zeros(man["vocab_size"], dtype=torch.float64)
-    for path, _ in corpus_shards(corpus_dir):
+    for path, _ in corpus_shards(corpus_dir, max_shards):
         with safe_open(str(path), framework="pt") as fh:
             counts += fh.get_tensor("counts").double()
     if extra_counts is not None:
@@ -145,7 +155,7 @@ class ShardSampler:
 
     def __init__(self, corpus_dir: str | Path, cfg: TrainConfig, feature_layers: tuple[int, ...] | None = None) -> None:
         feature_layers = cfg.feature_layers if feature_layers is None else tuple(feature_layers)
-        self.shards = corpus_shards(corpus_dir)
+        self.shards = corpus_shards(corpus_dir, cfg.max_shards)
         if not self.shards:
             raise DistillInputError(f"corpus {corpus_dir}: no shards yet")
         self.cfg = cfg
@@ -309,7 +319,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     for d, man in zip(dirs, mans):
         if man["vocab_size"] != vocab or man["hidden_size"] != target.get_input_embeddings().weight.shape[1]:
             raise DistillInputError(f"corpus {d}: built with another target (vocabulary / hidden size differ)")
-    man = {"positions": sum(m["positions"] for m in mans)}
+    man = {"positions": sum(sh["positions"] for _, sh in corpus_shards(dirs, cfg.max_shards))}
     if state is not None:
         head = _head_from_checkpoint(state, ckpt_path)
         head.attach(target)
@@ -319,7 +329,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     else:
         from ..models.loading import eos_token_ids
 
-        ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts)
+        ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts, cfg.max_shards)
         head = new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                         intermediate_size=cfg.intermediate_size, feature_layers=cfg.feature_layers, seed=cfg.seed)
     head = head.to(device).float()
