@@ -57,9 +57,10 @@ def quantised_agreement(target, quantize: str, rows: int = 6, tokens: int = 200)
 def component_times(target, quantize: str | None = None, sizes: tuple[int, ...] = (1, 16), rounds: int = 9,
                     prefix: int = 128) -> dict:
     """Where a fast-runner tree pass of n tokens goes, medians over interleaved rounds (ms): the whole
-    pass (logits included), the body (embedding, decoder layers, final norm: the pass without logits),
-    the LM head product alone on n hidden rows, and the LM head's arithmetic rate (GFLOP/s, 2 n V H
-    flops); ``rest`` = pass - body - LM head (float32 logits, the NaN check, masks, bookkeeping)."""
+    pass (logits included), the body (the pass without logits: inputs, masks, embedding, decoder
+    layers, final norm, bookkeeping), the LM head product alone on n hidden rows, and the LM head's
+    arithmetic rate (GFLOP/s, 2 n V H flops); ``rest`` = pass - body - LM head: what producing the
+    logits costs besides the product (float32 copy, NaN check), plus the noise of separate timings."""
     import statistics
 
     from treespec.models.fast import make_runner
@@ -129,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantize:
         meta["quantised_agreement"] = quantised_agreement(target, args.quantize)
     if args.fast or args.compare:
-        meta["components"] = {"fast": component_times(target)}
+        meta["components"] = {"fast": component_times(target, rounds=args.repeats)}
         if args.quantize:
-            meta["components"][args.quantize] = component_times(target, args.quantize)
+            meta["components"][args.quantize] = component_times(target, args.quantize, rounds=args.repeats)
     write_json(out / "meta.json", meta)
     lines = [f"# Hardware profile ({meta['commit']}): Gemma-3-270M {args.dtype}, {args.threads} threads", "",
              f"{meta['machine']['cpu']}"]

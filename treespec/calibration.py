@@ -204,7 +204,8 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
                     stream: bool = True, quantize: str | None = None) -> HardwareProfile:
     """Time target tree passes of ``sizes`` tokens after a ``prefix``-token context, and one draft
     step (a ``draft_width``-node frontier) of ``draft`` (None: c = 0). Medians over ``repeats`` rounds
-    (at least 3 with ``stream``), each one weight read then one pass of every size, in that order.
+    (at least 3 with ``stream``), each one weight read then one pass of every size (the order of the
+    sizes rotates from round to round, so no size always runs right after the read).
     ``fast``: through the fast runners (:func:`treespec.models.fast.make_runner`) where they cover
     the model. ``stream``: also time reading every target weight once (``stream_s``; for a target
     quantised by ``quantize``, the weights its runner reads). ``quantize``: see :func:`make_runner`."""
@@ -225,10 +226,11 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
     if words:
         _read_once(words)  # warm-up
     stream_times, times = [], {n: [] for n in sizes}
-    for _ in range(max(repeats, 3) if stream else repeats):
+    rounds = max(repeats, 3) if stream else repeats
+    for r in range(rounds):
         if words:
             stream_times.append(_read_once(words))
-        for n in sizes:
+        for n in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:  # each size takes every place in turn
             times[n].append(_time_tree_pass(runner, n, 1, vocab))
     verify = [statistics.median(times[n]) for n in sizes]
     draft_s = 0.0
@@ -241,7 +243,7 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
             _time_tree_pass(drunner, draft_width, 1, drunner.vocab_size)
         draft_s = _time_tree_pass(drunner, draft_width, repeats, drunner.vocab_size)
     meta = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "prefix": prefix, "repeats": repeats, "draft_width": draft_width,
+            "torch": torch.__version__, "prefix": prefix, "repeats": rounds, "draft_width": draft_width,
             "target": type(runner.model).__name__, "runner": type(runner).__name__,
             "dtype": str(runner.dtype).replace("torch.", ""), "quantize": quantize}
     stream_s = statistics.median(stream_times) if words else 0.0

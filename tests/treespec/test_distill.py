@@ -311,6 +311,10 @@ def test_max_shards_pins_the_first_shards(target, corpus, tmp_path):
     with torch.enable_grad():
         _, summary = train(target, out, tmp_path / "run", cfg, progress=False, log=lambda *_: None)
     assert summary["step"] == 2
+    # resuming the run on other data is refused (the pinned shards are part of the run's identity)
+    with pytest.raises(DistillInputError, match="max_shards=2, this call asks for max_shards=None"):
+        train(target, out, tmp_path / "run", TrainConfig(**{**CFG.__dict__, "steps": 3}), progress=False,
+              log=lambda *_: None)
     with pytest.raises(DistillInputError, match="fewer than max_shards"):
         corpus_shards(out, len(man["shards"]) + 1)
     with pytest.raises(DistillInputError, match="max-shards must be >= 1"):

@@ -177,14 +177,27 @@ def test_early_exit_draft_shares_the_fast_cache():
     assert generate(FastGemmaRunner(model), prompt, drafter, GREEDY).token_ids == plain
 
 
+def decode_logits(runner_cls, model, prefix_len, seed, steps=(1, 2, 1, 3)):
+    """Logits of a prefill then of chains of ``steps`` tokens (plain-decoding passes of 1-3 rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    runner = runner_cls(model)
+    outs = [runner.forward(None, None, torch.randint(0, V, (prefix_len,), generator=gen))["logits"]]
+    for n in steps:
+        outs.append(runner.forward(None, None, torch.randint(0, V, (n,), generator=gen))["logits"])
+    return outs
+
+
 @pytest.mark.parametrize("prepack", [True, False])
 def test_bf16_equals_eager(prepack):
-    """bf16: the same dtype casts as HF's modules, so the same bits (observed: max diff 0.0),
-    with or without the prepacked oneDNN weights."""
+    """bf16 with one KV head (Gemma-3-270M's layout): the same dtype casts as HF's modules and the
+    same products (stacked q/k/v and gate/up, 1-2-row products padded), so the same bits, on tree
+    passes and on passes of 1-3 tokens, with or without the prepacked oneDNN weights."""
     model = gemma(seed=2, dtype=torch.bfloat16, kv_heads=1)
     runner = functools.partial(FastGemmaRunner, prepack=prepack)
-    for mine, ref in zip(tree_logits(runner, model, 21, 5), tree_logits(ModelRunner, model, 21, 5)):
-        torch.testing.assert_close(mine.float(), ref.float(), atol=1e-6, rtol=0)
+    pairs = [*zip(tree_logits(runner, model, 21, 5), tree_logits(ModelRunner, model, 21, 5)),
+             *zip(decode_logits(runner, model, 9, 3), decode_logits(ModelRunner, model, 9, 3))]
+    for mine, ref in pairs:
+        assert torch.equal(mine, ref)
 
 
 def test_fallback_and_refusal():

@@ -321,6 +321,10 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
             raise DistillInputError(f"corpus {d}: built with another target (vocabulary / hidden size differ)")
     man = {"positions": sum(sh["positions"] for _, sh in corpus_shards(dirs, cfg.max_shards))}
     if state is not None:
+        pinned = state.get("train_config", {}).get("max_shards")
+        if pinned != cfg.max_shards:  # the data a run trains on is part of its identity
+            raise DistillInputError(f"{ckpt_path}: the run trained on max_shards={pinned}, this call asks for "
+                                    f"max_shards={cfg.max_shards}; give the same value or start a new run")
         head = _head_from_checkpoint(state, ckpt_path)
         head.attach(target)
         log(f"resuming from {ckpt_path} (step {state['step']})")

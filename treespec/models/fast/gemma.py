@@ -9,7 +9,9 @@ in place into a preallocated :class:`~.static_cache.StaticKVCache`.
 
 Weights: the q/k/v projections are stacked into one ``[(heads + 2 kv_heads) * head_dim, H]`` weight and
 gate/up into one ``[2 intermediate, H]`` weight (fewer, larger products per layer; the same values,
-tested bit for bit in bf16); the other float32 weights are the module's parameters (no copy). In bf16 on a CPU
+tested bit for bit in bf16). The stacked weights are copies in every dtype (+65M parameters for
+Gemma-3-270M) made by :meth:`FastGemmaRunner.refresh`; they carry no gradient (the runner is for
+inference). The other float32 weights are the module's parameters (no copy). In bf16 on a CPU
 with oneDNN it keeps, by default (``prepack``), a oneDNN-blocked copy of every linear weight
 (LM head included: +536 MB for Gemma-3-270M, made once in about 0.5 s): a plain bf16 ``F.linear``
 reorders the whole weight on every call, which made the 262k-row LM head cost about 3x the time
@@ -143,7 +145,8 @@ class FastGemmaRunner(ModelRunner):
     # ------------------------------------------------------------------ parameters
     def refresh(self) -> None:
         """(Re)read the module's parameters: call after changing or replacing weights (the norms'
-        ``1 + w`` vectors and, with ``prepack``, the packed linear weights are derived here)."""
+        ``1 + w`` vectors, the stacked q/k/v and gate/up copies and, with ``prepack`` or ``quantize``,
+        the packed or 4-bit weights are derived here)."""
         model, cfg = self.model, self.model.config
         base = model.model
         self.eps = cfg.rms_norm_eps

@@ -24,10 +24,9 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 #: products of fewer rows are padded with zero rows up to this many: oneDNN (3.12, avx512_core_bf16)
-#: picks slower kernels for 1- and 2-row bf16 products (measured on Gemma-3-270M's weights: the 18
-#: layers' products 9.7 ms at 1 row against 8.4 ms at 4 rows, the LM head 12.8 against 12.0 ms;
-#: a whole 1-token pass 28.8 -> 27.8 ms, 2 tokens 31.6 -> 27.8 ms); each row's values do not change
-#: (tested bit for bit)
+#: picks slower kernels for 1- and 2-row bf16 products; a 2-token pass of the fast Gemma runner cost
+#: 1.19 t(1) before (benchmarks/results/profile/2026-11-24-d66018c-bf16-int4) and 1.01 t(1) after
+#: (.../2026-11-25-2baf2b3-bf16-int4). Each row's values do not change (tested bit for bit).
 MIN_ROWS = 4
 
 
