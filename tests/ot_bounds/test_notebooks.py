@@ -26,7 +26,7 @@ def test_bounds_notebook_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 STUDY_NOTEBOOK = ROOT / "notebooks" / "02_real_model_study.ipynb"
-STUDY_RESULTS = ROOT / "benchmarks" / "results" / "ot_study"
+STUDY_RESULTS = ROOT / "benchmarks" / "results" / "ot_study" / "2026-11-25-f5b5598"  # the run the README quotes
 
 
 def _run_study_notebook(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
@@ -44,8 +44,8 @@ def _run_study_notebook(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) ->
 
 def test_study_notebook_runs_on_saved_results(monkeypatch: pytest.MonkeyPatch) -> None:
     """Notebook (b) on the committed study results (no model needed)."""
-    if not (STUDY_RESULTS / "summary.json").exists():
-        pytest.skip("no saved study results (run benchmarks/study_real_model.py)")
+    assert (STUDY_RESULTS / "summary.json").exists(), f"committed study results missing: {STUDY_RESULTS}"
+    assert (STUDY_RESULTS / "provenance.json").exists(), "the study results carry no provenance record"
     monkeypatch.delenv("OT_STUDY_NB_RECOMPUTE", raising=False)
     text = _run_study_notebook(monkeypatch, {"OT_STUDY_NB_RESULTS": str(STUDY_RESULTS)})
     assert "study summary printed above: done" in text
