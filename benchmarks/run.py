@@ -386,15 +386,19 @@ def _fmt(s: dict | None) -> str:
 
 
 def cli_default_rows() -> str:
-    """Which rows are the CLI's ``--draft auto`` per temperature, read from the CLI itself."""
+    """Which rows are the CLI's ``--draft auto`` per dtype and temperature, read from the CLI itself."""
     from treespec.cli import _resolved_draft, build_parser
 
-    rows = {"ngram": "ts_ngram", "head": "ts_head", "lookup+head": "ts_lookup_head"}
+    rows = {"ngram": "ts_ngram", "head": "ts_head", "lookup+head": "ts_lookup_head", "none": "ts_plain"}
     parts = []
-    for temp in ("0", "1"):
-        draft = _resolved_draft(build_parser().parse_args(["generate", "x", "--temperature", temp]))
-        parts.append(f"{rows.get(draft, draft)} at T={temp}")
-    return ", ".join(parts)
+    for dtype in ("bfloat16", "float32"):
+        picks = []
+        for temp in ("0", "1"):
+            args = build_parser().parse_args(["generate", "x", "--temperature", temp])
+            draft = _resolved_draft(args, getattr(torch, dtype))
+            picks.append(f"{rows.get(draft, draft)} at T={temp}")
+        parts.append(f"{dtype}: {', '.join(picks)}")
+    return "; ".join(parts)
 
 
 def markdown(summary: dict, meta: dict) -> str:

@@ -57,15 +57,24 @@ def tree_nodes(branching: tuple[int, ...]) -> int:
     return total
 
 
-def _resolved_draft(args: argparse.Namespace) -> str:
-    """``--draft`` with ``auto`` resolved to the best measured drafter of the embedded target in bf16 on a
-    native-bf16 CPU, chosen on train prompts (``benchmarks/results/tuning/``): n-gram lookup at T=0
-    (``2026-11-24-5cbee63-bf16-head-trees``: it equals or beats lookup+head), the shipped head at T>0
-    (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for n-gram lookup). The shipped head fits
-    the embedded Gemma-3-270M only: on any other target ``auto`` is n-gram lookup."""
+def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) -> str:
+    """``--draft`` with ``auto`` resolved to the best measured drafter of the embedded target for the run's dtype
+    (``dtype``, else the one ``args`` asks for), chosen on train prompts (``benchmarks/results/tuning/``):
+
+    * T=0: n-gram lookup (bf16: ``2026-11-24-5cbee63-bf16-head-trees``, it equals or beats lookup+head);
+    * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
+      n-gram lookup), where a tree pass costs about one decoding step;
+    * T>0 in float32: no drafter (``none``, plain decoding): there a tree pass costs ~2.5 decoding steps and every
+      drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``).
+
+    The shipped head fits the embedded Gemma-3-270M only: on any other target ``auto`` is n-gram lookup."""
     if args.draft != "auto":
         return args.draft
-    return "head" if args.temperature > 0 and args.target == "embedded" else "ngram"
+    if args.temperature <= 0 or args.target != "embedded":
+        return "ngram"
+    if dtype is None:
+        dtype = resolve_cli_dtype(args)
+    return "head" if dtype == torch.bfloat16 else "none"
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -112,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
     g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
     g.add_argument("--draft", default="auto",
-                   help="'auto' (default: n-gram lookup at T=0, the shipped head at T>0 on the embedded target, the best "
-                        "measured on train prompts), "
+                   help="'auto' (default: the best measured on train prompts: n-gram lookup at T=0; at T>0 on the "
+                        "embedded target the shipped head in bf16 and no draft in float32, where every drafter measured "
+                        "slower than plain decoding), "
                         "'lookup+head' (prompt lookup where the context repeats, the shipped Gemma-3-270M draft "
                         "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone), 'none', "
                         "a draft causal LM path/id sharing the tokenizer, an EAGLE head .safetensors "
@@ -156,9 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
-    if args.plain or args.draft == "none":
+    draft = "none" if args.plain else _resolved_draft(args, dtype)
+    if draft == "none":
         return None
-    draft = _resolved_draft(args)  # _check_args has refused an n-gram --tree that is not depth,branches
+    # _check_args has refused an n-gram --tree that is not depth,branches
     options = DraftOptions(tuple(args.tree) if args.tree else None, args.law, args.min_confidence)
     return build_drafter(draft, target_model, options, tokenizer=target_tokenizer, dtype=dtype)
 
@@ -246,6 +257,9 @@ def run_generate(args) -> int:
         print(f"[{info['method']}, {info['dtype']}{weights}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
               f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None)}", file=sys.stderr)
+        if drafter is None and not args.plain and args.draft == "auto":
+            print("(--draft auto decodes plainly at T>0 in float32: every drafter measured slower there; "
+                  "--dtype bfloat16 where the CPU computes it natively, or name a --draft)", file=sys.stderr)
     return 0
 
 
