@@ -65,7 +65,8 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
     * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
       n-gram lookup), where a tree pass costs about one decoding step;
     * T>0 in float32: no drafter (``none``, plain decoding): there a tree pass costs ~2.5 decoding steps and every
-      drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``).
+      drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``); with an explicit
+      ``--tree`` the shipped head, which grows it.
 
     The shipped head fits the embedded Gemma-3-270M only: on any other target ``auto`` is n-gram lookup."""
     if args.draft != "auto":
@@ -74,7 +75,9 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
         return "ngram"
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    return "head" if dtype == torch.bfloat16 else "none"
+    if dtype == torch.bfloat16 or args.tree is not None:  # a --tree asks for speculation: the head grows it
+        return "head"
+    return "none"
 
 
 def _check_args(args: argparse.Namespace) -> None:
