@@ -55,6 +55,20 @@ def step_cost(model, ids: list[int], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def newest_profile(root: Path, dtype: str) -> Path | None:
+    """The newest ``profile.json`` under ``root`` measured in ``dtype`` on unquantised weights (newest by the
+    ``date_utc`` of its folder's provenance record; folders without one are older than every folder with one)."""
+    def matches(path: Path) -> bool:
+        meta = json.loads(path.read_text()).get("meta", {})
+        return meta.get("dtype") == dtype and not meta.get("quantize")
+
+    def date(path: Path) -> str:
+        prov = path.parent / "provenance.json"
+        return json.loads(prov.read_text()).get("date_utc", "") if prov.exists() else ""
+    found = [p for p in root.glob("*/profile.json") if matches(p)]
+    return max(found, key=lambda p: (date(p), p.parent.name), default=None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -62,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-chain", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="target (and draft) dtype; auto = bf16 where the CPU computes it natively")
     ap.add_argument("--profile", type=Path, default=None,
                     help="profile.json of benchmarks/profile_hardware.py (default: the newest under results/profile)")
     add_output_args(ap)
@@ -72,7 +88,11 @@ def main(argv=None) -> int:
     from treespec.models.early_exit import early_exit_model
     from treespec.models.loading import load_model, load_tokenizer
 
-    target = load_model("embedded", dtype="float32")
+    from treespec.models.loading import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype)
+    dtype_name = str(dtype).replace("torch.", "")
+    target = load_model("embedded", dtype=dtype)
     tok = load_tokenizer("embedded")
     prompts = [tok(p)["input_ids"][:128] for p in read_prompt_texts(TRAIN, args.prompts)]
     agree = {L: 0.0 for L in args.layers}
@@ -93,10 +113,10 @@ def main(argv=None) -> int:
                 agree[L] += float((d.argmax(-1) == top).sum())
                 overlap[L] += float(torch.minimum(p1, torch.softmax(d, dim=-1)).sum())
             count += len(ids)
-    profile_path = args.profile or max(sorted((ROOT / "benchmarks" / "results" / "profile").glob("*/profile.json")),
-                                       key=lambda p: p.parent.name, default=None)
+    profile_path = args.profile or newest_profile(ROOT / "benchmarks" / "results" / "profile", dtype_name)
     if profile_path is None:
-        raise SystemExit("no hardware profile: run benchmarks/profile_hardware.py first (or pass --profile)")
+        raise SystemExit(f"no committed {dtype_name} hardware profile: run benchmarks/profile_hardware.py "
+                         f"--dtype {dtype_name} first (or pass --profile)")
     prof = HardwareProfile.load(profile_path)
     prof_meta = next((json.loads((profile_path.parent / f).read_text()) for f in ("provenance.json", "meta.json")
                       if (profile_path.parent / f).exists()), {})
@@ -118,7 +138,7 @@ def main(argv=None) -> int:
     write_json(folder / "early_exit_layers.json", {"meta": meta, "rows": rows, "best": best})
     same_cpu = prof_meta.get("machine", {}).get("cpu")
     lines = [f"# Early-exit layer search (commit {commit})", "",
-             f"{meta['machine']['cpu']}, {args.threads} thread(s), float32; {len(prompts)} train prompts, {count} "
+             f"{meta['machine']['cpu']}, {args.threads} thread(s), {dtype_name}; {len(prompts)} train prompts, {count} "
              f"positions; target step {t_target * 1e3:.0f} ms; verify profile `{profile_path}` (commit "
              f"{prof_meta.get('commit', '?')}, measured on {same_cpu or 'an unrecorded CPU'})", "",
              "| exit layer | T | acceptance (1 draft) | draft step / target step | best chain k | predicted speedup |",

@@ -292,3 +292,22 @@ def test_tuning_prompts_are_held_out_from_every_corpus_recipe():
     assert tuning and not [r for r in tuning if r["prompt"] in trained]
     categories = {r["category"] for r in rows}
     assert {r["subtask"] for r in tuning} == categories and len(tuning) == 4 * len(categories)
+
+
+def test_early_exit_search_picks_the_newest_profile_of_its_dtype(tmp_path):
+    """The layer search prices chains with a profile measured in its own dtype, unquantised, newest by the
+    provenance date (folder names of one day sort by commit hash, not by time)."""
+    from benchmarks.early_exit_layers import newest_profile
+
+    def profile(name, dtype, date, quantize=None):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "profile.json").write_text(json.dumps({"meta": {"dtype": dtype, "quantize": quantize}}))
+        (tmp_path / name / "provenance.json").write_text(json.dumps({"date_utc": date}))
+
+    profile("2026-11-25-9aaaaaa-bf16", "bfloat16", "2026-11-25T08:00:00+00:00")
+    profile("2026-11-25-1bbbbbb-bf16", "bfloat16", "2026-11-25T09:00:00+00:00")  # newer, smaller name
+    profile("2026-11-25-2cccccc-int4", "bfloat16", "2026-11-25T10:00:00+00:00", quantize="int4")
+    profile("2026-11-26-3dddddd-fp32", "float32", "2026-11-26T08:00:00+00:00")
+    assert newest_profile(tmp_path, "bfloat16").parent.name == "2026-11-25-1bbbbbb-bf16"
+    assert newest_profile(tmp_path, "float32").parent.name == "2026-11-26-3dddddd-fp32"
+    assert newest_profile(tmp_path / "2026-11-25-9aaaaaa-bf16", "float32") is None
