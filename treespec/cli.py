@@ -64,7 +64,7 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
     * T=0: n-gram lookup (bf16: ``2026-11-24-5cbee63-bf16-head-trees``, it equals or beats lookup+head);
     * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
       n-gram lookup), where a tree pass costs about one decoding step;
-    * T>0 in float32: no drafter (``none``, plain decoding): there a tree pass costs ~2.5 decoding steps and every
+    * T>0 in float32: no drafter (``none``, plain decoding): there a tree pass costs several decoding steps and every
       drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``); with an explicit
       ``--tree`` the shipped head, which grows it.
 
