@@ -83,15 +83,21 @@ def main(argv=None) -> int:
     add_output_args(ap)
     args = ap.parse_args(argv)
     started = time.time()
+    from treespec.models.loading import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype)
+    dtype_name = str(dtype).replace("torch.", "")
+    profile_path = args.profile or newest_profile(ROOT / "benchmarks" / "results" / "profile", dtype_name)
+    if profile_path is None:  # checked before any folder is opened or model loaded
+        raise SystemExit(f"no committed {dtype_name} hardware profile: run benchmarks/profile_hardware.py "
+                         f"--dtype {dtype_name} first (or pass --profile)")
+    profile_path = profile_path.resolve()
+    profile_name = str(profile_path.relative_to(ROOT)) if profile_path.is_relative_to(ROOT) else str(profile_path)
     folder, prov = open_results("early_exit", args.out, allow_dirty=args.allow_dirty)
     torch.set_num_threads(args.threads)
     from treespec.models.early_exit import early_exit_model
     from treespec.models.loading import load_model, load_tokenizer
 
-    from treespec.models.loading import resolve_dtype
-
-    dtype = resolve_dtype(args.dtype)
-    dtype_name = str(dtype).replace("torch.", "")
     target = load_model("embedded", dtype=dtype)
     tok = load_tokenizer("embedded")
     prompts = [tok(p)["input_ids"][:128] for p in read_prompt_texts(TRAIN, args.prompts)]
@@ -113,10 +119,6 @@ def main(argv=None) -> int:
                 agree[L] += float((d.argmax(-1) == top).sum())
                 overlap[L] += float(torch.minimum(p1, torch.softmax(d, dim=-1)).sum())
             count += len(ids)
-    profile_path = args.profile or newest_profile(ROOT / "benchmarks" / "results" / "profile", dtype_name)
-    if profile_path is None:
-        raise SystemExit(f"no committed {dtype_name} hardware profile: run benchmarks/profile_hardware.py "
-                         f"--dtype {dtype_name} first (or pass --profile)")
     prof = HardwareProfile.load(profile_path)
     prof_meta = next((json.loads((profile_path.parent / f).read_text()) for f in ("provenance.json", "meta.json")
                       if (profile_path.parent / f).exists()), {})
@@ -133,13 +135,13 @@ def main(argv=None) -> int:
             for t in ("T=0", "T=1")}
     commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
     meta = {"commit": commit, "machine": prov["machine"], "settings": {k: str(v) for k, v in vars(args).items()},
-            "positions": count, "target_step_s": t_target, "profile": str(profile_path),
+            "positions": count, "target_step_s": t_target, "profile": profile_name,
             "profile_provenance": {k: prof_meta.get(k) for k in ("commit", "dirty", "machine") if k in prof_meta}}
     write_json(folder / "early_exit_layers.json", {"meta": meta, "rows": rows, "best": best})
     same_cpu = prof_meta.get("machine", {}).get("cpu")
     lines = [f"# Early-exit layer search (commit {commit})", "",
              f"{meta['machine']['cpu']}, {args.threads} thread(s), {dtype_name}; {len(prompts)} train prompts, {count} "
-             f"positions; target step {t_target * 1e3:.0f} ms; verify profile `{profile_path}` (commit "
+             f"positions; target step {t_target * 1e3:.0f} ms; verify profile `{profile_name}` (commit "
              f"{prof_meta.get('commit', '?')}, measured on {same_cpu or 'an unrecorded CPU'})", "",
              "| exit layer | T | acceptance (1 draft) | draft step / target step | best chain k | predicted speedup |",
              "|---|---|---|---|---|---|"]

@@ -73,12 +73,12 @@ def held_out_prompts(num: int, max_len: int) -> list[list[int]]:
 
 
 def chain_length(acceptance_by_depth: list[float]) -> float:
-    """Tokens per target pass of a chain drafted to ``len(acceptance_by_depth)`` levels, if the chance of accepting
-    level k given levels 1..k-1 were accepted is ``acceptance_by_depth[k-1]``: ``1 + sum_k prod_{j<=k} a_j``.
+    """Tokens per target pass of a chain drafted to ``len(acceptance_by_depth)`` levels if each level k were accepted
+    independently with probability ``acceptance_by_depth[k-1]``: ``1 + sum_k prod_{j<=k} a_j``.
 
-    The per-depth metrics are measured along the text, the head's earlier levels fed the text's tokens, i.e. given
-    that the path so far was accepted, so this is the chain's expected length under that reading (an estimate that
-    ranks variants by all depths at once; measured tau comes from the speed benchmarks).
+    The per-depth metrics average depth k over every position of the text (the head's earlier levels fed the text's
+    tokens), not only where the earlier levels agreed, so acceptances at successive depths are likely correlated and
+    this is an estimate that ranks variants by all depths at once; measured tau comes from the speed benchmarks.
 
     >>> chain_length([0.5, 0.5])
     1.75
@@ -101,7 +101,7 @@ def table(results: dict[str, dict], depths: int) -> str:
                      f"{r['step_cost']['fraction']:.3f} |")
     note = ("\nchain T0 / T1: 1 + sum_k prod_(j<=k) a_j over the depths measured, a_j = T0 top-1 agreement / "
             "T1 sum min(p, q) at depth j (head_ablation.chain_length): a chain's expected tokens per target pass "
-            "if the per-depth figures were its acceptance given the path so far; an estimate for ranking variants.")
+            "if each depth were accepted independently at its rate; an estimate for ranking variants.")
     return "\n".join(lines) + "\n" + note
 
 

@@ -64,18 +64,20 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
     * T=0: n-gram lookup (bf16: ``2026-11-24-5cbee63-bf16-head-trees``, it equals or beats lookup+head);
     * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
       n-gram lookup), where a tree pass costs about one decoding step;
-    * T>0 in float32: no drafter (``none``, plain decoding): there a tree pass costs several decoding steps and every
-      drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``); with an explicit
-      ``--tree`` the shipped head, which grows it.
+    * T>0 in float32: no drafter (``none``, plain decoding): every
+      drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``, the AMD EPYC forced to
+      float32); with an explicit ``--tree``, ``--min-confidence`` or ``--law`` the shipped head, which follows them.
 
-    The shipped head fits the embedded Gemma-3-270M only: on any other target ``auto`` is n-gram lookup."""
+    The shipped head fits the embedded Gemma-3-270M only: on any other target ``auto`` is n-gram lookup (measured on
+    the embedded target only; in float32 at T>0 it lost to plain decoding there)."""
     if args.draft != "auto":
         return args.draft
     if args.temperature <= 0 or args.target != "embedded":
         return "ngram"
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    if dtype == torch.bfloat16 or args.tree is not None:  # a --tree asks for speculation: the head grows it
+    asked = args.tree is not None or args.min_confidence is not None or args.law != "iid"  # speculation options
+    if dtype == torch.bfloat16 or asked:  # an explicit --tree / --min-confidence / --law: the head follows them
         return "head"
     return "none"
 

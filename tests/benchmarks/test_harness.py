@@ -310,4 +310,4 @@ def test_early_exit_search_picks_the_newest_profile_of_its_dtype(tmp_path):
     profile("2026-11-26-3dddddd-fp32", "float32", "2026-11-26T08:00:00+00:00")
     assert newest_profile(tmp_path, "bfloat16").parent.name == "2026-11-25-1bbbbbb-bf16"
     assert newest_profile(tmp_path, "float32").parent.name == "2026-11-26-3dddddd-fp32"
-    assert newest_profile(tmp_path / "2026-11-25-9aaaaaa-bf16", "float32") is None
+    assert newest_profile(tmp_path, "float16") is None  # no profile of that dtype

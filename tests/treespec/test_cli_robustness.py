@@ -289,5 +289,7 @@ def test_draft_auto_is_the_best_measured_drafter_per_temperature_and_dtype():
     assert resolved("--temperature", "0.7", "--dtype", "float32") == "none"
     assert resolved("--temperature", "0.7", "--exact") == "none"  # --exact runs float32
     assert resolved("--temperature", "0.7", "--dtype", "float32", "--tree", "2,1") == "head"  # a tree asked for
+    assert resolved("--temperature", "0.7", "--dtype", "float32", "--min-confidence", "0.2") == "head"
+    assert resolved("--temperature", "0.7", "--dtype", "float32", "--law", "without_replacement") == "head"
     args = build_parser().parse_args(["generate", "x", "--temperature", "1"])  # dtype auto: the run's own dtype wins
     assert _resolved_draft(args, torch.bfloat16) == "head" and _resolved_draft(args, torch.float32) == "none"
