@@ -11,7 +11,7 @@ target step.
     python benchmarks/head_ablation.py --steps 1000 [--variants base,ttt3,vocab32k] [--time-limit 40] [--max-shards 31]
     python benchmarks/head_ablation.py --tiny    # smoke test: a tiny random target, its own corpus, 20 steps
 
-Training runs resume (checkpoints in the cache under distill/runs/ablation-<name>-<steps>); a variant's
+Training runs resume (checkpoints in the cache under distill/runs/ablation-<name>-<steps>-<digest of the options>); a variant's
 result is written to the results folder when it is measured, and ``--out`` an unfinished folder
 (not yet committed) skips the variants it holds. Results: ``benchmarks/results/ablation/<date>-<commit>/``.
 """
@@ -44,6 +44,8 @@ VARIANTS: dict[str, dict] = {
     # fused features read only at the first level: deeper levels run on the head's own feature, which the
     # training-time test trains it on (EAGLE-3 pairs the two); measured beside "fused" and "ttt3" alone
     "fused+ttt3": {"feature_layers": "low,mid", "depths": 3},
+    # the subset logits in float32 although the head trains under bf16 autocast (every run before logits_amp)
+    "fp32-logits": {"logits_amp": False},
 }
 
 
@@ -88,6 +90,17 @@ def chain_length(acceptance_by_depth: list[float]) -> float:
         prod *= a
         total += prod
     return total
+
+
+def run_name(variant: str, cfg) -> str:
+    """The cache folder of a variant's training run: its name, steps and a digest of every training option, so that a
+    run with other options (another base, a new option's default) never resumes from this one's checkpoints."""
+    import hashlib
+    from dataclasses import asdict
+
+    options = {k: v for k, v in asdict(cfg).items() if k != "time_limit_s"}
+    digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"ablation-{variant}-{cfg.steps}-{digest}"
 
 
 def table(results: dict[str, dict], depths: int) -> str:
@@ -185,8 +198,9 @@ def _main(args, tmp: Path | None) -> int:
             continue
         options = {**BASE, **resolve(VARIANTS[name], layers), "steps": args.steps, "seed": args.seed, "max_shards": args.max_shards,
                    "time_limit_s": None if args.time_limit is None else args.time_limit * 60}
-        head, summary = train(target, corpora if len(corpora) > 1 else corpora[0],
-                              runs / f"ablation-{name}-{args.steps}", TrainConfig(**options), log=print,
+        cfg = TrainConfig(**options)
+        head, summary = train(target, corpora if len(corpora) > 1 else corpora[0], runs / run_name(name, cfg),
+                              cfg, log=print,
                               progress=not args.tiny)
         if summary["step"] < args.steps:
             print(f"{name}: stopped at step {summary['step']} of {args.steps} (time limit); run again to continue")

@@ -6,8 +6,9 @@ Tiny random Gemma-3 target and corpus of test_distill. What is checked:
    padding never reaches a real entry), at every depth;
 2. ``compute_losses`` at ``depths = 3`` equals a slow reference built entry by entry (each window
    alone, each depth's soft loss a plain cross-entropy over the entries that have a root inside the
-   window, weights ``0.8 ** (k - 1)`` normalised), and fails on a broken variant that keeps the
-   rootless entries;
+   window, weights ``0.8 ** (k - 1)`` normalised), with top-k and with subset labels (computed once
+   and shared by every depth), and differs from broken references that keep the rootless entries or
+   read the subset labels one entry off; bf16 logits stay within rounding of float32;
 3. training at depths 1..3 lowers the depth-3 loss below what training at depth 1 alone reaches
    from the same start and steps (the point of the training-time test). That ``unroll`` is what the
    runner computes in a tree is tested in test_head_runner (``head_depth_logits`` uses it).
@@ -16,7 +17,7 @@ Tiny random Gemma-3 target and corpus of test_distill. What is checked:
 import pytest
 import torch
 
-from treespec.distill.train import ShardSampler, TrainConfig, compute_losses
+from treespec.distill.train import ShardSampler, TrainConfig, autocast_for, compute_losses
 
 from .test_distill import CFG, corpus, target, trained  # noqa: F401
 
@@ -47,8 +48,11 @@ def test_unroll_of_padded_windows_equals_each_window_alone(corpus, trained):  # 
                 assert torch.allclose(full[k][b, k:t], alone[k][0, k:], atol=1e-5), (b, k)
 
 
-def _reference_losses(head, batch, cfg, keep_rootless: bool = False) -> float:
-    """The depth-weighted soft loss, one window and one entry at a time (soft="topk" labels)."""
+def _reference_losses(head, batch, cfg, keep_rootless: bool = False, label_shift: int = 0) -> float:
+    """The depth-weighted soft loss, one window and one entry at a time (labels of ``cfg.soft``: the
+    stored top-k, or the target's distribution on the subset from the stored ``h_j``). Broken twins:
+    ``keep_rootless`` keeps entries without a root in the window; ``label_shift`` reads entry ``j``'s
+    subset label at ``j - label_shift``."""
     weights = [cfg.depth_decay ** k for k in range(cfg.depths)]
     total = 0.0
     for k in range(1, cfg.depths + 1):
@@ -56,32 +60,58 @@ def _reference_losses(head, batch, cfg, keep_rootless: bool = False) -> float:
         for b in range(batch["mask"].shape[0]):
             t = int(batch["mask"][b].sum())
             feats = head.unroll(batch["hidden_in"][b:b + 1, :t], batch["tokens"][b:b + 1, :t],
-                                batch["positions"][b:b + 1, :t], k)[k - 1][0]
+                                batch["positions"][b:b + 1, :t], k)[k - 1][0]  # [t, H]
             for j in range(0 if keep_rootless else k - 1, t):
                 logq = torch.log_softmax(head.logits(feats[j]), dim=-1)
-                ids, logp = batch["topk_ids"][b, j], batch["topk_logp"][b, j]
-                w = torch.zeros(head.cfg.target_vocab_size)
-                w.index_add_(0, ids, logp.exp())
-                w = w[head.vocab_ids]
-                w = w / w.sum()
+                if cfg.soft == "subset":
+                    w = torch.softmax(head.logits(batch["hidden_out"][b, max(j - label_shift, 0)]), dim=-1)
+                else:
+                    ids, logp = batch["topk_ids"][b, j], batch["topk_logp"][b, j]
+                    w = torch.zeros(head.cfg.target_vocab_size)
+                    w.index_add_(0, ids, logp.exp())
+                    w = w[head.vocab_ids]
+                    w = w / w.sum()
                 losses.append(-(w * logq).sum())
         total += weights[k - 1] * float(torch.stack(losses).mean())
     return total / sum(weights)
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_depth_losses_equal_a_slow_reference(corpus, trained, broken):  # noqa: F811
+@pytest.mark.parametrize("soft,broken", [("topk", None), ("topk", "rootless"), ("subset", None),
+                                         ("subset", "rootless"), ("subset", "shifted labels")])
+def test_depth_losses_equal_a_slow_reference(corpus, trained, soft, broken):  # noqa: F811
+    """The batched losses (subset labels computed once and shared by every depth) equal the entry-by-entry
+    reference in float32; each broken reference differs from them."""
     _, head, _ = trained
     cfg, batch = _batch(corpus[0])
+    cfg = TrainConfig(**{**cfg.__dict__, "soft": soft, "amp": "off"})
     sub_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
     sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
     with torch.no_grad():
         fast = float(compute_losses(head, batch, cfg, sub_index)["soft"])
-        ref = _reference_losses(head, batch, cfg, keep_rootless=broken)
+        ref = _reference_losses(head, batch, cfg, keep_rootless=broken == "rootless",
+                                label_shift=int(broken == "shifted labels"))
     if broken:
-        assert abs(fast - ref) > 1e-4, "the reference that keeps rootless entries must differ"
+        assert abs(fast - ref) > 1e-4, f"the reference with {broken} must differ"
     else:
         assert abs(fast - ref) < 1e-4, (fast, ref)
+
+
+def test_bf16_logits_stay_close_to_float32(corpus, trained):  # noqa: F811
+    """With ``amp="bf16"`` the subset logits run under bf16 autocast (``logits_amp``, the default): the losses
+    stay within bf16 rounding of the float32 ones, and ``logits_amp=False`` keeps those logits in float32."""
+    _, head, _ = trained
+    cfg, batch = _batch(corpus[0])
+    sub_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
+    sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
+    out = {}
+    for name, amp, logits_amp in (("fp32", "off", True), ("bf16", "bf16", True), ("bf16 head, fp32 logits", "bf16", False)):
+        run_cfg = TrainConfig(**{**cfg.__dict__, "soft": "subset", "amp": amp, "logits_amp": logits_amp})
+        with torch.no_grad():
+            out[name] = float(compute_losses(head, batch, run_cfg, sub_index, autocast_for(torch.device("cpu"), amp)[0])["soft"])
+    print(out)
+    assert out["bf16"] != out["bf16 head, fp32 logits"]  # the option changes what runs
+    for name in ("bf16", "bf16 head, fp32 logits"):
+        assert abs(out[name] - out["fp32"]) < 1e-3 * abs(out["fp32"]), out
 
 
 def _depth3_soft(head, batch, cfg, sub_index) -> float:
@@ -89,8 +119,9 @@ def _depth3_soft(head, batch, cfg, sub_index) -> float:
 
     with torch.no_grad():
         feats = head.unroll(batch["hidden_in"], batch["tokens"], batch["positions"], 3)
-        m = batch["mask"] & (torch.arange(batch["mask"].shape[1])[None] >= 2)
-        return float(_depth_losses(head, feats[2][m], batch, m, cfg, sub_index)["soft"])
+        m = batch["mask"]
+        keep = torch.arange(m.shape[1]).expand_as(m)[m] >= 2
+        return float(_depth_losses(head, feats[2][m], batch, m, keep, cfg, sub_index, batch["hidden_out"][m], None)["soft"])
 
 
 def test_training_deeper_levels_lowers_the_deep_loss(corpus, trained):  # noqa: F811

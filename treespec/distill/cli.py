@@ -36,9 +36,13 @@ def _tokenize(tokenizer, rows: list[dict], max_len: int) -> list[list[int]]:
 
 
 def _config_arguments(parser: argparse.ArgumentParser, defaults) -> None:
-    """One ``--field-name`` option per field of a config dataclass (``time_limit_s`` is ``--time-limit``)."""
+    """One ``--field-name`` option per field of a config dataclass (``time_limit_s`` is ``--time-limit``;
+    a bool field is ``--field-name`` / ``--no-field-name``)."""
     for field, default in defaults.__dict__.items():
         if field == "time_limit_s":
+            continue
+        if isinstance(default, bool):
+            parser.add_argument("--" + field.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default)
             continue
         kind = _int_list if isinstance(default, tuple) else type(default) if default is not None else int
         parser.add_argument("--" + field.replace("_", "-"), type=kind, default=default)

@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..drafting.head import EagleHead, HeadConfig, new_head
 from ..files import atomic_write_json, remove_stale_temporaries
 from ..models.features import normalise_feature_layers
 from .corpus import load_manifest
 from .inputs import DistillInputError, load_checkpoint, read_head_file, require_dir
+from .losses import subset_distill_losses
 from .loop import LoopConfig, latest_checkpoint, open_run, run_loop
 
 CKPT_NAME = "ckpt-{step}.pt"  # the newest ``keep_ckpts`` are kept
@@ -68,6 +68,9 @@ class TrainConfig:
     keep_ckpts: int = 2
     seed: int = 0
     amp: str = "auto"  # "auto" | "bf16" | "off"
+    # the subset logits (a step's largest products: [positions, H] x [H, |S|], three per depth) under the same
+    # autocast as the head; False keeps them in float32 (every run before this field existed did)
+    logits_amp: bool = True
     time_limit_s: float | None = None
     max_shards: int | None = None  # train on the first N shards of each corpus only (pins a growing corpus)
 
@@ -245,12 +248,19 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     weights = [cfg.depth_decay ** k for k in range(cfg.depths)]
     norm = sum(weights) or 1.0
     losses: dict[str, torch.Tensor] = {}
-    index = torch.arange(b["mask"].shape[1], device=device)[None]  # [1, T]
+    logits_ctx = autocast if cfg.logits_amp else nullcontext()
+    m1 = b["mask"]  # [B, T]: every entry of depth 1; deeper depths use a subset of them
+    target_h = b["hidden_out"][m1]  # [P, H]: h_j, the targets of every depth at entry j
+    soft = None
+    if cfg.soft == "subset":  # the target's distribution on the subset, once for every depth
+        with torch.no_grad(), logits_ctx:
+            soft = torch.softmax(head.logits(target_h), dim=-1)  # [P, |S|]
+    entry = torch.arange(m1.shape[1], device=device).expand_as(m1)[m1]  # [P]: each row's index in its window
     for k, (feat_k, w) in enumerate(zip(feats, weights), start=1):
-        m = b["mask"] & (index >= k - 1)  # [B, T]
-        if not bool(m.any()):
+        keep = entry >= k - 1  # [P]: depth k has a root inside the window (the other rows count for nothing)
+        if not bool(keep.any()):
             continue
-        part = _depth_losses(head, feat_k.float()[m], b, m, cfg, sub_index)
+        part = _depth_losses(head, feat_k.float()[m1], b, m1, keep, cfg, sub_index, target_h, soft, logits_ctx)
         for name in ("soft", "hard", "feat"):
             losses[name] = losses.get(name, 0.0) + part[name] * (w / norm)
         losses[f"agree_d{k}"] = part["agree"]
@@ -259,31 +269,33 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     return losses
 
 
-def _depth_losses(head: EagleHead, feat: torch.Tensor, b: dict, m: torch.Tensor, cfg: TrainConfig,
-                  sub_index: torch.Tensor) -> dict[str, torch.Tensor]:
-    """soft / hard / feature losses and top-1 agreement of features ``feat`` ``[P, H]`` at entries ``m``."""
-    logq = torch.log_softmax(head.logits(feat), dim=-1)  # [P, |S|]
-    target_h = b["hidden_out"][m]
-    losses = {}
-    if cfg.soft == "subset":
-        with torch.no_grad():
-            p = torch.softmax(head.logits(target_h), dim=-1)
-        losses["soft"] = -(p * logq).sum(-1).mean()
-        k = b["topk_ids"].shape[-1]
-        target_top1 = b["topk_ids"][m][:, 0] if k else head.vocab_ids[p.argmax(-1)]
-    else:
+def _depth_losses(head: EagleHead, feat: torch.Tensor, b: dict, m: torch.Tensor, keep: torch.Tensor, cfg: TrainConfig,
+                  sub_index: torch.Tensor, target_h: torch.Tensor, soft: torch.Tensor | None,
+                  logits_ctx=nullcontext()) -> dict[str, torch.Tensor]:
+    """soft / hard / feature losses and top-1 agreement of features ``feat`` ``[P, H]`` at entries ``m``, averaged
+    over the rows ``keep`` ``[P]``.
+
+    ``target_h`` ``[P, H]``: the target's ``h_j`` at those entries; ``soft`` ``[P, |S|]``: its
+    distribution there on the subset (``cfg.soft == "subset"``; None for ``"topk"``)."""
+    with logits_ctx:
+        logits = head.logits(feat, float32=False)  # [P, |S|] (bf16 under autocast)
+    if cfg.soft == "topk":  # the stored top-k log-probabilities inside the subset, renormalised, as a dense row
         ids = b["topk_ids"][m]  # [P, k]
         sub = sub_index[ids]
         w = b["topk_logp"][m].exp() * (sub >= 0)
         w = w / w.sum(-1, keepdim=True).clamp(min=1e-12)
-        losses["soft"] = -(w * logq.gather(1, sub.clamp(min=0))).sum(-1).mean()
+        soft = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_add_(1, sub.clamp(min=0), w)
         target_top1 = ids[:, 0]
+    else:
+        k = b["topk_ids"].shape[-1]
+        target_top1 = b["topk_ids"][m][:, 0] if k else head.vocab_ids[soft.argmax(-1)]
     nxt = b["next"][m]
     hard = torch.where(nxt >= 0, sub_index[nxt.clamp(min=0)], -1)
-    losses["hard"] = F.cross_entropy(logq, hard, ignore_index=-1) if bool((hard >= 0).any()) else logq.sum() * 0
-    losses["feat"] = (feat - target_h).pow(2).mean() / target_h.pow(2).mean().clamp(min=1e-12)
-    with torch.no_grad():
-        losses["agree"] = (head.vocab_ids[logq.argmax(-1)] == target_top1).float().mean()
+    losses = {}
+    losses["soft"], losses["hard"], top1 = subset_distill_losses(logits, soft, hard, keep)
+    kept = keep.float()[:, None]  # [P, 1]
+    losses["feat"] = ((feat - target_h).pow(2) * kept).sum() / (target_h.pow(2) * kept).sum().clamp(min=1e-12)
+    losses["agree"] = ((head.vocab_ids[top1] == target_top1).float() * keep).sum() / keep.sum()
     return losses
 
 

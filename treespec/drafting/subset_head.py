@@ -66,18 +66,19 @@ class SubsetHead(nn.Module):
     def _attach_inputs(self, model) -> None:
         """Take what else the head reads from the target (nothing by default)."""
 
-    def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """Features ``[..., H]`` -> float32 logits over the subset ``[..., |S|]`` (the product in the
-        rows' dtype: float32 unless :meth:`for_inference` chose another)."""
+    def logits(self, feature: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Features ``[..., H]`` -> logits over the subset ``[..., |S|]``: the product in the rows' dtype
+        (float32 unless :meth:`for_inference` chose another, or autocast's), returned in float32, or in the
+        product's dtype with ``float32=False`` (training hands bf16 logits to a loss that upcasts block by block)."""
         if not self.attached:
             raise RuntimeError("attach the head to its target first")
         if self._rows_packed is not None:
-            logits = packed_linear(feature.to(self.lm_rows.dtype), self._rows_packed).float()
+            logits = packed_linear(feature.to(self.lm_rows.dtype), self._rows_packed)
         else:
-            logits = (feature.to(self.lm_rows.dtype) @ self.lm_rows.t()).float()
+            logits = feature.to(self.lm_rows.dtype) @ self.lm_rows.t()
         if self.cfg.softcap:
-            logits = torch.tanh(logits / self.cfg.softcap) * self.cfg.softcap
-        return logits
+            logits = (torch.tanh(logits.float() / self.cfg.softcap) * self.cfg.softcap).to(logits.dtype)
+        return logits.float() if float32 else logits
 
     def for_inference(self, dtype: torch.dtype) -> "SubsetHead":
         """This (attached) head, for drafting only, computing in ``dtype``; returns ``self``.
