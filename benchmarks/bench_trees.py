@@ -45,7 +45,9 @@ sys.path.insert(0, str(ROOT))
 from treespec.calibration import measure_acceptance_vector  # noqa: E402
 from treespec.distill.inputs import read_prompt_texts  # noqa: E402
 from treespec.drafters import build_tree_drafter  # noqa: E402
+from treespec.cli import _target_runner  # noqa: E402
 from treespec.drafting.head import EagleHead  # noqa: E402
+from treespec.drafting.subset_head import SubsetHead  # noqa: E402
 from treespec.files import atomic_write_text  # noqa: E402
 from treespec.generate import GenerationConfig, generate  # noqa: E402
 from treespec.sampling import SamplingConfig  # noqa: E402
@@ -267,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-depth", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
+                    help="the target's forward in every row, plain decoding included (as `treespec generate --runner`)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--sequoia-acc", default=None,
                     help="acceptance vector JSON, or an earlier run's results.json (its calibration rows per "
@@ -333,6 +337,9 @@ def main(argv=None) -> int:
             draft = load_draft_model(args.draft, target, dtype=args.dtype) if args.draft else None
         encode = lambda text: tok(text)["input_ids"][-args.max_prompt_tokens:]  # noqa: E731
         target_name, draft_name = "embedded gemma-3-270m", args.draft
+    if isinstance(draft, SubsetHead):  # drafts in the target's dtype, as the CLI's head does (packed in bf16)
+        draft.for_inference(target.dtype)
+    runner = _target_runner(target, args.runner)  # one runner for plain decoding and every builder
     builders = list(MODEL_FREE) + (list(MODEL_BUILDERS) if draft is not None else [])
     if args.builders:
         wanted = args.builders.split(",")
@@ -375,7 +382,7 @@ def main(argv=None) -> int:
                              tag="-".join(x for x in (args.tag, "tiny" if args.tiny else None) if x) or None)
     commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
     meta = {"commit": commit, "machine": prov["machine"], "target": target_name, "draft": draft_name,
-            "dtype": args.dtype, "settings": vars(args), "prompts": [r["id"] for r in rows],
+            "dtype": args.dtype, "runner": type(runner).__name__, "settings": vars(args), "prompts": [r["id"] for r in rows],
             "prompt_subset": (f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)"
                               if args.eval_prompts == "specbench" else
                               f"{args.per_subtask} held-out train rows per Spec-Bench subtask kind, disjoint "
@@ -384,15 +391,15 @@ def main(argv=None) -> int:
             "complete": False}
     results = []
     warm = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(0.0), stop_on_eos=False)
-    generate(target, prompts_ids[0], None, warm)  # warm-up
+    generate(runner, prompts_ids[0], None, warm)  # warm-up
     for t in temps:
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(t), stop_on_eos=False)
         for b in budgets:
             makers = {name: (lambda name=name, b=b: build_tree_drafter(name, draft, b, vocab=vocab, acc=accs.get(t), max_depth=args.max_depth))
                       for name in builders}
             for make in makers.values():
-                generate(target, prompts_ids[0], make(), warm)  # warm-up
-            block = run_block(target, prompts_ids, makers, cfg)
+                generate(runner, prompts_ids[0], make(), warm)  # warm-up
+            block = run_block(runner, prompts_ids, makers, cfg)
             results.append({"builder": "plain", "budget": b, "temperature": t, **block["plain"]})
             print(f"T={t} n={b} plain: {block['plain']['tokens_per_s']:.1f} tok/s", flush=True)
             for name in builders:
