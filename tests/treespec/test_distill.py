@@ -319,3 +319,11 @@ def test_max_shards_pins_the_first_shards(target, corpus, tmp_path):
         corpus_shards(out, len(man["shards"]) + 1)
     with pytest.raises(DistillInputError, match="max-shards must be >= 1"):
         TrainConfig(max_shards=0)
+    # one count per corpus: the first 2 shards of the first, 1 of the second; a count per corpus must match them
+    assert [sh["file"] for _, sh in corpus_shards([out, out], (2, 1))] == [sh["file"] for sh in man["shards"][:2]] + \
+        [man["shards"][0]["file"]]
+    assert TrainConfig(max_shards=(2,)).max_shards == 2 and TrainConfig(max_shards=[2, 1]).max_shards == (2, 1)
+    with pytest.raises(DistillInputError, match="gives 2 counts for 3 corpora"):
+        corpus_shards([out, out, out], (2, 1))
+    with pytest.raises(DistillInputError, match="max-shards must be >= 1"):
+        TrainConfig(max_shards=(2, 0))

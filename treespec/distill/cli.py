@@ -44,7 +44,8 @@ def _config_arguments(parser: argparse.ArgumentParser, defaults) -> None:
         if isinstance(default, bool):
             parser.add_argument("--" + field.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default)
             continue
-        kind = _int_list if isinstance(default, tuple) else type(default) if default is not None else int
+        kind = _int_list if isinstance(default, tuple) or field == "max_shards" else \
+            type(default) if default is not None else int
         parser.add_argument("--" + field.replace("_", "-"), type=kind, default=default)
 
 

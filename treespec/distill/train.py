@@ -72,7 +72,8 @@ class TrainConfig:
     # autocast as the head; False keeps them in float32 (every run before this field existed did)
     logits_amp: bool = True
     time_limit_s: float | None = None
-    max_shards: int | None = None  # train on the first N shards of each corpus only (pins a growing corpus)
+    # train on the first N shards of each corpus only (pins a growing corpus); a tuple: one N per corpus, in order
+    max_shards: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "vocab_size", "num_heads", "steps_per_shard", "ckpt_every",
@@ -84,9 +85,16 @@ class TrainConfig:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or not self.grad_clip > 0:
             raise DistillInputError(f"lr and grad-clip must be > 0, got {self.lr} and {self.grad_clip}")
-        for name in ("head_dim", "intermediate_size", "max_shards"):
+        for name in ("head_dim", "intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.max_shards, (list, tuple)):
+            self.max_shards = tuple(int(x) for x in self.max_shards)
+            if len(self.max_shards) == 1:
+                self.max_shards = self.max_shards[0]
+        counts = self.max_shards if isinstance(self.max_shards, tuple) else (self.max_shards,)
+        if not counts or any(c is not None and c < 1 for c in counts):
+            raise DistillInputError(f"max-shards must be >= 1, got {self.max_shards}")
         try:
             self.feature_layers = normalise_feature_layers(self.feature_layers)
         except ValueError as err:
@@ -110,17 +118,22 @@ def autocast_for(device: torch.device, amp: str):
     return nullcontext(), "fp32"
 
 
-def corpus_shards(corpus_dir, max_shards: int | None = None) -> list[tuple[Path, dict]]:
+def corpus_shards(corpus_dir, max_shards: int | tuple[int, ...] | None = None) -> list[tuple[Path, dict]]:
     """(file, shard entry) of every finished shard of one corpus directory or a list of them; with
-    ``max_shards``, the first ``max_shards`` of each directory (refused where fewer are finished)."""
+    ``max_shards``, the first ``max_shards`` of each directory, or the first ``max_shards[i]`` of directory
+    ``i`` (refused where fewer are finished, or where the counts do not match the directories)."""
     dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
+    counts = max_shards if isinstance(max_shards, tuple) else (max_shards,) * len(dirs)
+    if len(counts) != len(dirs):
+        raise DistillInputError(f"max_shards={list(max_shards)} gives {len(counts)} counts for {len(dirs)} corpora; "
+                                "give one count, or one per corpus")
     out = []
-    for d in dirs:
+    for d, count in zip(dirs, counts):
         shards = load_manifest(d)["shards"]
-        if max_shards is not None:
-            if len(shards) < max_shards:
-                raise DistillInputError(f"corpus {d}: {len(shards)} finished shards, fewer than max_shards={max_shards}")
-            shards = shards[:max_shards]
+        if count is not None:
+            if len(shards) < count:
+                raise DistillInputError(f"corpus {d}: {len(shards)} finished shards, fewer than max_shards={count}")
+            shards = shards[:count]
         out += [(Path(d) / sh["file"], sh) for sh in shards]
     return out
 
