@@ -208,7 +208,7 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
     lines = [f"# Tree builders, commit {commit}" + ("" if meta["complete"] else " (PARTIAL: run still going or cut short)"), "",
              f"target {target_name}, draft {draft_name}, {meta['machine']['cpu']}, "
              f"{meta['machine']['torch_threads']} threads, torch {meta['machine']['torch']}, "
-             f"transformers {meta['machine']['transformers']}, {args.dtype}; {meta['prompt_subset']}, "
+             f"transformers {meta['machine']['transformers']}, {args.dtype}, target runner {meta.get('runner', 'ModelRunner')}; {meta['prompt_subset']}, "
              f"{len(rows)} prompts, {args.max_new_tokens} new tokens", "",
              "Speedup vs plain decoding measured in the same budget block, prompt by prompt: total-time ratio, "
              "and median over prompts [bootstrap 95% interval].", "",

@@ -124,6 +124,21 @@ def test_resume_from_checkpoint_continues_exactly(target, corpus, trained, tmp_p
         assert torch.allclose(a, b, atol=1e-6), k
 
 
+def test_a_run_from_before_logits_amp_keeps_float32_products(target, corpus, trained, tmp_path):
+    """A checkpoint whose training config predates ``logits_amp`` resumes with float32 subset products (said in
+    the log, recorded in its next checkpoint); one that has the field keeps what it recorded."""
+    run, _, _ = trained
+    state = torch.load(run / "ckpt-20.pt", weights_only=False)
+    del state["train_config"]["logits_amp"]
+    torch.save(state, tmp_path / "ckpt-20.pt")
+    logs = []
+    with torch.enable_grad():
+        train(target, corpus[0], tmp_path, TrainConfig(**{**CFG.__dict__, "steps": 21, "ckpt_every": 1}),
+              progress=False, log=logs.append)
+    assert any("before logits_amp" in line for line in logs), logs
+    assert torch.load(tmp_path / "ckpt-21.pt", weights_only=False)["train_config"]["logits_amp"] is False
+
+
 def test_restricted_vocabulary_is_exact(target, trained):
     _, head, _ = trained
     assert head.vocab_ids.numel() < V

@@ -14,6 +14,8 @@ Tiny random Gemma-3 target and corpus of test_distill. What is checked:
    runner computes in a tree is tested in test_head_runner (``head_depth_logits`` uses it).
 """
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -48,15 +50,16 @@ def test_unroll_of_padded_windows_equals_each_window_alone(corpus, trained):  # 
                 assert torch.allclose(full[k][b, k:t], alone[k][0, k:], atol=1e-5), (b, k)
 
 
-def _reference_losses(head, batch, cfg, keep_rootless: bool = False, label_shift: int = 0) -> float:
-    """The depth-weighted soft loss, one window and one entry at a time (labels of ``cfg.soft``: the
+def _reference_losses(head, batch, cfg, keep_rootless: bool = False, label_shift: int = 0) -> dict[str, float]:
+    """The depth-weighted soft, hard and feature losses, one window and one entry at a time (labels of ``cfg.soft``: the
     stored top-k, or the target's distribution on the subset from the stored ``h_j``). Broken twins:
     ``keep_rootless`` keeps entries without a root in the window; ``label_shift`` reads entry ``j``'s
     subset label at ``j - label_shift``."""
     weights = [cfg.depth_decay ** k for k in range(cfg.depths)]
-    total = 0.0
+    total = {"soft": 0.0, "hard": 0.0, "feat": 0.0}
+    sub_index = {int(t): i for i, t in enumerate(head.vocab_ids)}
     for k in range(1, cfg.depths + 1):
-        losses = []
+        soft, hard, err, ref = [], [], 0.0, 0.0
         for b in range(batch["mask"].shape[0]):
             t = int(batch["mask"][b].sum())
             feats = head.unroll(batch["hidden_in"][b:b + 1, :t], batch["tokens"][b:b + 1, :t],
@@ -71,29 +74,37 @@ def _reference_losses(head, batch, cfg, keep_rootless: bool = False, label_shift
                     w.index_add_(0, ids, logp.exp())
                     w = w[head.vocab_ids]
                     w = w / w.sum()
-                losses.append(-(w * logq).sum())
-        total += weights[k - 1] * float(torch.stack(losses).mean())
-    return total / sum(weights)
+                soft.append(-(w * logq).sum())
+                nxt = int(batch["next"][b, j])
+                if nxt in sub_index:  # a next token inside the subset (-1: none)
+                    hard.append(-logq[sub_index[nxt]])
+                err += float((feats[j] - batch["hidden_out"][b, j]).pow(2).sum())
+                ref += float(batch["hidden_out"][b, j].pow(2).sum())
+        total["soft"] += weights[k - 1] * float(torch.stack(soft).mean())
+        total["hard"] += weights[k - 1] * (float(torch.stack(hard).mean()) if hard else 0.0)
+        total["feat"] += weights[k - 1] * err / ref
+    return {name: v / sum(weights) for name, v in total.items()}
 
 
 @pytest.mark.parametrize("soft,broken", [("topk", None), ("topk", "rootless"), ("subset", None),
                                          ("subset", "rootless"), ("subset", "shifted labels")])
 def test_depth_losses_equal_a_slow_reference(corpus, trained, soft, broken):  # noqa: F811
-    """The batched losses (subset labels computed once and shared by every depth) equal the entry-by-entry
-    reference in float32; each broken reference differs from them."""
+    """The batched losses (labels computed once and shared by every depth): soft, hard and feature losses equal
+    the entry-by-entry reference in float32; each broken reference differs from them."""
     _, head, _ = trained
     cfg, batch = _batch(corpus[0])
     cfg = TrainConfig(**{**cfg.__dict__, "soft": soft, "amp": "off"})
     sub_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
     sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
     with torch.no_grad():
-        fast = float(compute_losses(head, batch, cfg, sub_index)["soft"])
+        fast = {k: float(v) for k, v in compute_losses(head, batch, cfg, sub_index).items()}
         ref = _reference_losses(head, batch, cfg, keep_rootless=broken == "rootless",
                                 label_shift=int(broken == "shifted labels"))
     if broken:
-        assert abs(fast - ref) > 1e-4, f"the reference with {broken} must differ"
+        assert abs(fast["soft"] - ref["soft"]) > 1e-4, f"the reference with {broken} must differ"
     else:
-        assert abs(fast - ref) < 1e-4, (fast, ref)
+        for name in ("soft", "hard", "feat"):
+            assert abs(fast[name] - ref[name]) < 1e-4 * max(1.0, abs(ref[name])), (name, fast[name], ref[name])
 
 
 def test_bf16_logits_stay_close_to_float32(corpus, trained):  # noqa: F811
@@ -115,13 +126,16 @@ def test_bf16_logits_stay_close_to_float32(corpus, trained):  # noqa: F811
 
 
 def _depth3_soft(head, batch, cfg, sub_index) -> float:
-    from treespec.distill.train import _depth_losses
+    from treespec.distill.train import _depth_losses, _soft_labels
 
     with torch.no_grad():
         feats = head.unroll(batch["hidden_in"], batch["tokens"], batch["positions"], 3)
         m = batch["mask"]
         keep = torch.arange(m.shape[1]).expand_as(m)[m] >= 2
-        return float(_depth_losses(head, feats[2][m], batch, m, keep, cfg, sub_index, batch["hidden_out"][m], None)["soft"])
+        target_h = batch["hidden_out"][m]
+        soft, top1 = _soft_labels(head, batch, m, cfg, sub_index, target_h, nullcontext())
+        hard = torch.full(top1.shape, -1)
+        return float(_depth_losses(head, feats[2][m], keep, target_h, soft, hard, top1)["soft"])
 
 
 def test_training_deeper_levels_lowers_the_deep_loss(corpus, trained):  # noqa: F811

@@ -68,8 +68,8 @@ class TrainConfig:
     keep_ckpts: int = 2
     seed: int = 0
     amp: str = "auto"  # "auto" | "bf16" | "off"
-    # the subset logits (a step's largest products: [positions, H] x [H, |S|], three per depth) under the same
-    # autocast as the head; False keeps them in float32 (every run before this field existed did)
+    # the subset products (a step's largest: [positions, H] x [H, |S|]; the head's logits and the target's soft
+    # labels) under the same autocast as the head; False keeps them in float32 (every run before this field did)
     logits_amp: bool = True
     time_limit_s: float | None = None
     # train on the first N shards of each corpus only (pins a growing corpus); a tuple: one N per corpus, in order
@@ -89,6 +89,8 @@ class TrainConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if isinstance(self.max_shards, (list, tuple)):
+            if any(x is None for x in self.max_shards):
+                raise DistillInputError(f"max-shards: give a count for every corpus, got {list(self.max_shards)}")
             self.max_shards = tuple(int(x) for x in self.max_shards)
             if len(self.max_shards) == 1:
                 self.max_shards = self.max_shards[0]
@@ -264,16 +266,15 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     logits_ctx = autocast if cfg.logits_amp else nullcontext()
     m1 = b["mask"]  # [B, T]: every entry of depth 1; deeper depths use a subset of them
     target_h = b["hidden_out"][m1]  # [P, H]: h_j, the targets of every depth at entry j
-    soft = None
-    if cfg.soft == "subset":  # the target's distribution on the subset, once for every depth
-        with torch.no_grad(), logits_ctx:
-            soft = torch.softmax(head.logits(target_h), dim=-1)  # [P, |S|]
+    soft, target_top1 = _soft_labels(head, b, m1, cfg, sub_index, target_h, logits_ctx)  # once for every depth
+    nxt = b["next"][m1]
+    hard = torch.where(nxt >= 0, sub_index[nxt.clamp(min=0)], -1)  # [P]: the next token's subset index, or -1
     entry = torch.arange(m1.shape[1], device=device).expand_as(m1)[m1]  # [P]: each row's index in its window
     for k, (feat_k, w) in enumerate(zip(feats, weights), start=1):
         keep = entry >= k - 1  # [P]: depth k has a root inside the window (the other rows count for nothing)
         if not bool(keep.any()):
             continue
-        part = _depth_losses(head, feat_k.float()[m1], b, m1, keep, cfg, sub_index, target_h, soft, logits_ctx)
+        part = _depth_losses(head, feat_k.float()[m1], keep, target_h, soft, hard, target_top1, logits_ctx)
         for name in ("soft", "hard", "feat"):
             losses[name] = losses.get(name, 0.0) + part[name] * (w / norm)
         losses[f"agree_d{k}"] = part["agree"]
@@ -282,28 +283,36 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     return losses
 
 
-def _depth_losses(head: EagleHead, feat: torch.Tensor, b: dict, m: torch.Tensor, keep: torch.Tensor, cfg: TrainConfig,
-                  sub_index: torch.Tensor, target_h: torch.Tensor, soft: torch.Tensor | None,
-                  logits_ctx=nullcontext()) -> dict[str, torch.Tensor]:
-    """soft / hard / feature losses and top-1 agreement of features ``feat`` ``[P, H]`` at entries ``m``, averaged
-    over the rows ``keep`` ``[P]``.
+def _soft_labels(head: EagleHead, b: dict, m: torch.Tensor, cfg: TrainConfig, sub_index: torch.Tensor,
+                 target_h: torch.Tensor, logits_ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """The soft labels ``[P, |S|]`` of the entries ``m`` and the target's top-1 token ``[P]`` there.
 
-    ``target_h`` ``[P, H]``: the target's ``h_j`` at those entries; ``soft`` ``[P, |S|]``: its
-    distribution there on the subset (``cfg.soft == "subset"``; None for ``"topk"``)."""
-    with logits_ctx:
-        logits = head.logits(feat, float32=False)  # [P, |S|] (bf16 under autocast)
-    if cfg.soft == "topk":  # the stored top-k log-probabilities inside the subset, renormalised, as a dense row
+    ``cfg.soft == "subset"``: the target's distribution renormalised on the subset, from ``h_j`` and the
+    head's (= the target's) LM rows, under ``logits_ctx`` like every subset product (bf16 autocast
+    rounds these logits as the target's own bf16 forward does); ``"topk"``: the stored top-k
+    probabilities inside the subset, renormalised, as dense rows."""
+    with torch.no_grad():
+        if cfg.soft == "subset":
+            with logits_ctx:
+                soft = torch.softmax(head.logits(target_h), dim=-1)  # [P, |S|]
+            k = b["topk_ids"].shape[-1]
+            return soft, b["topk_ids"][m][:, 0] if k else head.vocab_ids[soft.argmax(-1)]
         ids = b["topk_ids"][m]  # [P, k]
         sub = sub_index[ids]
         w = b["topk_logp"][m].exp() * (sub >= 0)
         w = w / w.sum(-1, keepdim=True).clamp(min=1e-12)
-        soft = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_add_(1, sub.clamp(min=0), w)
-        target_top1 = ids[:, 0]
-    else:
-        k = b["topk_ids"].shape[-1]
-        target_top1 = b["topk_ids"][m][:, 0] if k else head.vocab_ids[soft.argmax(-1)]
-    nxt = b["next"][m]
-    hard = torch.where(nxt >= 0, sub_index[nxt.clamp(min=0)], -1)
+        soft = torch.zeros(ids.shape[0], head.vocab_ids.numel(), device=ids.device).scatter_add_(1, sub.clamp(min=0), w)
+        return soft, ids[:, 0]
+
+
+def _depth_losses(head: EagleHead, feat: torch.Tensor, keep: torch.Tensor, target_h: torch.Tensor,
+                  soft: torch.Tensor, hard: torch.Tensor, target_top1: torch.Tensor,
+                  logits_ctx=nullcontext()) -> dict[str, torch.Tensor]:
+    """soft / hard / feature losses and top-1 agreement of features ``feat`` ``[P, H]``, averaged over the rows
+    ``keep`` ``[P]``, against the target's ``h_j`` ``target_h`` ``[P, H]``, soft labels ``soft`` ``[P, |S|]``,
+    hard labels ``hard`` ``[P]`` (subset index or -1) and top-1 tokens ``target_top1`` ``[P]``."""
+    with logits_ctx:
+        logits = head.logits(feat, float32=False)  # [P, |S|] (bf16 under autocast)
     losses = {}
     losses["soft"], losses["hard"], top1 = subset_distill_losses(logits, soft, hard, keep)
     kept = keep.float()[:, None]  # [P, 1]
@@ -350,6 +359,9 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
         if pinned != cfg.max_shards:  # the data a run trains on is part of its identity
             raise DistillInputError(f"{ckpt_path}: the run trained on max_shards={pinned}, this call asks for "
                                     f"max_shards={cfg.max_shards}; give the same value or start a new run")
+        if "logits_amp" not in state.get("train_config", {}) and cfg.logits_amp:
+            cfg = replace(cfg, logits_amp=False)  # a run from before the option keeps its float32 subset products
+            log(f"{ckpt_path}: a run from before logits_amp; it continues with its float32 subset products")
         head = _head_from_checkpoint(state, ckpt_path)
         head.attach(target)
         log(f"resuming from {ckpt_path} (step {state['step']})")

@@ -76,8 +76,9 @@ class SubsetHead(nn.Module):
             logits = packed_linear(feature.to(self.lm_rows.dtype), self._rows_packed)
         else:
             logits = feature.to(self.lm_rows.dtype) @ self.lm_rows.t()
-        if self.cfg.softcap:
-            logits = (torch.tanh(logits.float() / self.cfg.softcap) * self.cfg.softcap).to(logits.dtype)
+        if self.cfg.softcap:  # capped in float32
+            capped = torch.tanh(logits.float() / self.cfg.softcap) * self.cfg.softcap
+            return capped if float32 else capped.to(logits.dtype)
         return logits.float() if float32 else logits
 
     def for_inference(self, dtype: torch.dtype) -> "SubsetHead":
