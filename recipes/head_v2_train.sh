@@ -41,7 +41,7 @@ for spec in v2-greedy:0:6000 v2-sample:6000:11000; do
 done
 if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
     (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run head-v2 \
-        --vocab-size 32768 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
+        --vocab-size 16384 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
         --steps 4000 --batch-size 8 --seq-len 256 --lr 0.001 --warmup 200 --ckpt-every 100 --max-shards "$PIN" \
         --amp auto --dtype auto --threads "$THREADS" --time-limit "$MINUTES" --no-progress)
 fi
