@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -214,6 +215,7 @@ def open_results(kind: str, out: Path | None = None, *, allow_dirty: bool = Fals
             f"refusing to write into {folder}: git tracks {len(tracked)} file(s) there (e.g. {tracked[0]}); "
             "committed results are evidence and are never overwritten. Choose a new folder with --out DIR")
     folder.mkdir(parents=True, exist_ok=True)
+    keep_earlier_provenance(folder)
     prov = provenance(repo, state)
     if extra:
         prov.update(extra)
@@ -222,6 +224,25 @@ def open_results(kind: str, out: Path | None = None, *, allow_dirty: bool = Fals
         prov["diff"] = "diff.patch"
     write_json(folder / "provenance.json", prov)
     return folder, prov
+
+
+def keep_earlier_provenance(folder: Path) -> Path | None:
+    """A results folder that an earlier invocation wrote (a run resumed with ``--out``) keeps that invocation's
+    ``provenance.json`` as ``provenance-<its start time>.json`` (returned), so every invocation stays on record."""
+    path = folder / "provenance.json"
+    if not path.exists():
+        return None
+    try:
+        stamp = json.loads(path.read_text()).get("date_utc", "")
+    except (OSError, ValueError):
+        stamp = ""
+    stamp = re.sub(r"[^0-9A-Za-z]", "", str(stamp)) or "earlier"
+    dest, n = folder / f"provenance-{stamp}.json", 1
+    while dest.exists():
+        n += 1
+        dest = folder / f"provenance-{stamp}-{n}.json"
+    path.rename(dest)
+    return dest
 
 
 def open_results_from_args(kind: str, args: argparse.Namespace, tag: str | None = None,

@@ -48,6 +48,18 @@ def test_clean_tree_records_commit_machine_versions_command(repo):
     assert saved["command"]["argv"] and saved["date_utc"]
 
 
+def test_a_resumed_folder_keeps_every_invocations_provenance(repo):
+    """Opening a folder an earlier invocation wrote (``--out`` to resume) keeps the earlier provenance.json beside
+    the new one; a third invocation keeps both earlier ones."""
+    folder = repo / "benchmarks" / "results" / "ablation" / "resumed"  # untracked results do not make the tree dirty
+    out, first = open_results("ablation", folder, repo=repo, extra={"which": 1})
+    open_results("ablation", folder, repo=repo, extra={"which": 2})
+    open_results("ablation", folder, repo=repo, extra={"which": 3})
+    saved = sorted(json.loads(p.read_text())["which"] for p in out.glob("provenance*.json"))
+    assert saved == [1, 2, 3]
+    assert json.loads((out / "provenance.json").read_text())["which"] == 3
+
+
 def test_dirty_tree_is_refused_unless_allowed_then_the_diff_is_stored(repo):
     (repo / "code.py").write_text("x = 2\n")
     with pytest.raises(ProvenanceError, match="--allow-dirty"):
