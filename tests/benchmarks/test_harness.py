@@ -222,6 +222,31 @@ def test_draft_card_states_only_what_its_files_record():
     assert "25 minutes" in with_run and "precision bf16" in with_run
 
 
+def test_draft_card_describes_stored_continuations_depths_and_history(tmp_path):
+    """A corpus built from committed continuations is named by them (matched by fingerprint), an unknown
+    fingerprint is said to be unknown, the per-depth table and the history rows come from their files."""
+    from benchmarks.draft_card import corpus_content, corpus_stats, head_metadata, render
+
+    stored = common.REPO / "corpora" / "head-v2" / "continuations" / "v2-greedy" / "manifest.json"
+    fingerprint = json.loads(stored.read_text())["fingerprint"]
+    for name, fp in (("known", fingerprint), ("unknown", "f" * 64)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(
+            {"positions": 10, "sequences_done": 2, "num_input_sequences": 2, "seconds": 60.0, "continuations": fp,
+             "options": {"continuation": "none", "new_tokens": 64}}))
+    known, unknown = corpus_stats([str(tmp_path / "known"), str(tmp_path / "unknown")])
+    assert "greedy continuation" in corpus_content(known) and "v2-greedy" in corpus_content(known)
+    assert "not in this checkout" in corpus_content(unknown)
+
+    rec = json.loads((common.RESULTS / "draft" / "2026-11-22-010e29c-dirty" / "metrics.json").read_text())
+    head = common.REPO / "treespec" / "assets" / "gemma3-270m-head.safetensors"
+    metrics = dict(rec["metrics"], top1_agreement_T0_by_depth=[0.51, 0.42], sum_min_pq_T1_by_depth=[0.33, 0.29])
+    card = render(head, head_metadata(head), metrics, [known], None, "abc1234", [("v1-record", rec)])
+    assert "| T=0 top-1 agreement | 0.510 | 0.420 |" in card and "| T=1 sum min(p, q) | 0.330 | 0.290 |" in card
+    assert "| v1-record | 010e29c-dirty | 12 x 48 | 0.352 | 0.389 | 0.066 | float32 |" in card
+    assert "Earlier heads" in card and "Earlier heads" not in render(head, head_metadata(head), metrics, [known], None, "abc1234")
+
+
 def test_results_dir_of_older_scripts_needs_the_environment_switch(monkeypatch, repo):
     """Scripts without --allow-dirty (results_dir) refuse a dirty tree unless TREESPEC_ALLOW_DIRTY=1."""
     monkeypatch.setattr(common, "REPO", repo)
