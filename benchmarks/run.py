@@ -150,13 +150,14 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine:
 
 
 def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None,
-                tree: tuple[int, ...] | None = None, law: str = "iid"):
+                tree: tuple[int, ...] | None = None, law: str | None = None):
     """A drafter from the registry ``treespec generate --draft DRAFT [--tree T] [--min-confidence C]
-    [--law L]`` uses (one per temperature)."""
+    [--law L]`` uses (one per temperature; None: the CLI's default)."""
     from treespec.drafters import DraftOptions, build_drafter
 
     options = DraftOptions(tree=tree, law=law, min_confidence=min_confidence)
-    return lambda temperature: build_drafter(draft, model, options, tokenizer=tok, dtype=dtype)
+    return lambda temperature: build_drafter(draft, model, options, temperature=temperature, tokenizer=tok,
+                                             dtype=dtype)
 
 
 def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Method]:
@@ -180,9 +181,11 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
     for name, draft, tree, conf, law in args.variant or []:  # CLI settings under test (tuning runs)
         shape = tuple(int(x) for x in tree.split(",")) if tree != "-" else None
         confidence = None if conf == "-" else float(conf)
-        ms.append(ts_method(name, runner, cli_drafter(model, tok, dtype, draft, confidence, shape, law),
+        ms.append(ts_method(name, runner, cli_drafter(model, tok, dtype, draft, confidence, shape,
+                                                      None if law == "-" else law),
                             f"treespec generate --draft {draft}" + (f" --tree {tree}" if shape else "")
-                            + (f" --min-confidence {conf}" if confidence is not None else "") + f" --law {law}"))
+                            + (f" --min-confidence {conf}" if confidence is not None else "")
+                            + (f" --law {law}" if law != "-" else "")))
     if wanted & {"ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4"}:  # the opt-in 4-bit target
         from treespec.models.fast import make_runner
 

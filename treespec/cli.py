@@ -76,7 +76,7 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
         return "ngram"
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    asked = args.tree is not None or args.min_confidence is not None or args.law != "iid"  # speculation options
+    asked = args.tree is not None or args.min_confidence is not None or args.law is not None  # speculation options
     if dtype == torch.bfloat16 or asked:  # an explicit --tree / --min-confidence / --law: the head follows them
         return "head"
     return "none"
@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", type=_branching, default=None,
                    help="children per depth for a model draft, e.g. 4 (chain of 4: 1,1,1,1) or 2,2,1; "
                         "for ngram: depth,branches (default 8,4)")
-    g.add_argument("--law", choices=DRAFT_LAWS, default="iid", help="draft law of a model draft at temperature > 0")
+    g.add_argument("--law", choices=DRAFT_LAWS, default=None,
+                   help="draft law of a model draft at temperature > 0 (default: the shipped head's measured "
+                        "setting for it, iid for other drafts)")
     g.add_argument("--verifier", choices=["auto", *sorted(VERIFIERS)], default="auto")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -176,7 +178,8 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
         return None
     # _check_args has refused an n-gram --tree that is not depth,branches
     options = DraftOptions(tuple(args.tree) if args.tree else None, args.law, args.min_confidence)
-    return build_drafter(draft, target_model, options, tokenizer=target_tokenizer, dtype=dtype)
+    return build_drafter(draft, target_model, options, temperature=args.temperature, tokenizer=target_tokenizer,
+                         dtype=dtype)
 
 
 def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:

@@ -36,10 +36,12 @@ TREE_BUILDERS = ("ngram", "chain", "specinfer", "spectr", "sequoia", "dyspec", "
 class DraftOptions:
     """``tree``: per-depth widths (one number n: a chain of n; for ``ngram``: depth, branches);
     ``law``: draft law of model / head trees at temperature > 0; ``min_confidence``: adaptive draft
-    length of a head (None: the head's own default)."""
+    length of a head. None: the drafter's default (the shipped head's measured settings at the
+    generation's temperature, :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`; else a chain of 4,
+    iid, no confidence threshold)."""
 
     tree: tuple[int, ...] | None = None
-    law: str = "iid"
+    law: str | None = None
     min_confidence: float | None = None
 
 
@@ -48,29 +50,34 @@ def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int
     return (1,) * tree[0] if len(tree) == 1 else tree
 
 
-def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions()) -> ShapeDrafter:
+def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(),
+                 temperature: float = 0.0) -> ShapeDrafter:
     """An EAGLE-style head (the shipped one when ``path`` is None) growing per-depth widths; the head
-    computes in the target's dtype (:meth:`~treespec.drafting.subset_head.SubsetHead.for_inference`)."""
+    computes in the target's dtype (:meth:`~treespec.drafting.subset_head.SubsetHead.for_inference`).
+    Options left None take the shipped head's settings for ``temperature`` (0: greedy, else sampled)."""
     from .drafting.head import EagleHead
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
 
     head = load_default_head(target) if path is None else EagleHead.load(path, target)
     head.for_inference(target.dtype)
-    settings = DEFAULT_HEAD_SETTINGS if path is None else {"tree": (1, 1, 1, 1), "min_confidence": 0.0}
+    settings = (DEFAULT_HEAD_SETTINGS["greedy" if temperature <= 0 else "sampled"] if path is None
+                else {"tree": (1, 1, 1, 1), "min_confidence": 0.0})
     confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
-    return ShapeDrafter(head, TreeShape.widths(_widths(options.tree, settings["tree"])), options.law,
+    law = options.law or settings.get("law", "iid")
+    return ShapeDrafter(head, TreeShape.widths(_widths(options.tree, settings["tree"])), law,
                         min_confidence=confidence)
 
 
-def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, tokenizer=None,
-                  dtype: torch.dtype | None = None) -> Drafter:
-    """The drafter ``--draft name`` stands for, drafting for ``target`` (a Hugging Face causal LM).
+def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, temperature: float = 0.0,
+                  tokenizer=None, dtype: torch.dtype | None = None) -> Drafter:
+    """The drafter ``--draft name`` stands for, drafting for ``target`` (a Hugging Face causal LM) at
+    ``temperature`` (which of the shipped head's default settings apply).
 
     ``tokenizer`` (the target's) and ``dtype`` are needed for a draft model path only.
     """
     if name == "head" or name.startswith("lookup+"):
         path = None if name in ("head", "lookup+head") else name.removeprefix("lookup+")
-        head = head_drafter(target, path, options)
+        head = head_drafter(target, path, options, temperature)
         return head if name == "head" else FirstOf(NgramDrafter(LOOKUP), head)
     if name == "ngram":
         if options.tree is None:
@@ -78,18 +85,18 @@ def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, 
         depth, branches = options.tree
         return NgramDrafter(NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches))
     if name.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
-        return head_drafter(target, name, options)
+        return head_drafter(target, name, options, temperature)
     from .models.loading import load_draft_model, load_model, load_tokenizer
 
     widths = TreeShape.widths(_widths(options.tree, (1, 1, 1, 1)))
     if name.startswith("early-exit:"):  # the target's own first layers (self-speculative)
-        return ShapeDrafter(load_draft_model(name, target), widths, options.law)
+        return ShapeDrafter(load_draft_model(name, target), widths, options.law or "iid")
     from .models.compat import check_tokenizers, check_vocab_sizes
 
     check_tokenizers(tokenizer, load_tokenizer(name))
     draft = load_model(name, dtype=dtype)
     check_vocab_sizes(target, draft)
-    return ShapeDrafter(draft, widths, options.law, target.get_output_embeddings().weight.shape[0])
+    return ShapeDrafter(draft, widths, options.law or "iid", target.get_output_embeddings().weight.shape[0])
 
 
 def specinfer_widths(budget: int) -> tuple[int, ...]:

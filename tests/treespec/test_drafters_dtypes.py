@@ -61,3 +61,28 @@ def test_drafter_runs_in_both_dtypes(setup, name, temperature):
     assert sum(s.tree_nodes for s in out.steps) > 0, "the drafter never drafted"
     if dtype == torch.float32 and temperature == 0:
         assert out.token_ids == plain, name
+
+
+def test_the_shipped_head_takes_its_settings_by_temperature(monkeypatch):
+    """``--draft head`` without options drafts with DEFAULT_HEAD_SETTINGS["greedy"] at T=0 and ["sampled"] at
+    T>0 (tree, confidence, law); explicit options win over both. The shipped file is replaced by a tiny head
+    and the settings by distinct values, so a mix-up of the two entries shows."""
+    from treespec.drafters import DraftOptions, build_drafter
+    from treespec.drafting import shipped
+    from treespec.drafting.head import new_head
+
+    target = tiny_model("gemma3", V, seed=0, logit_scale=8, dtype=torch.float32)
+    monkeypatch.setattr(shipped, "load_default_head", lambda t: new_head(t, torch.arange(0, V, 2), num_heads=4))
+    monkeypatch.setattr(shipped, "DEFAULT_HEAD_SETTINGS", {
+        "greedy": {"tree": (2, 1), "min_confidence": 0.3},
+        "sampled": {"tree": (3, 1, 1), "min_confidence": 0.1, "law": "without_replacement"}})
+    greedy, sampled = build_drafter("head", target, temperature=0.0), build_drafter("head", target, temperature=0.7)
+    assert greedy.tree_shape == TreeShape.widths((2, 1)) and greedy.min_confidence == 0.3
+    assert greedy.draft_law == "iid"  # no law in the greedy entry: T=0 drafts deterministically anyway
+    assert sampled.tree_shape == TreeShape.widths((3, 1, 1)) and sampled.min_confidence == 0.1
+    assert sampled.draft_law == "without_replacement"
+    mine = build_drafter("head", target, DraftOptions(tree=(1, 1), law="iid", min_confidence=0.0), temperature=0.7)
+    assert mine.tree_shape == TreeShape.widths((1, 1)) and mine.draft_law == "iid" and mine.min_confidence == 0.0
+    out = generate(target, PROMPT, sampled, GenerationConfig(max_new_tokens=NEW, sampling=SamplingConfig(0.7), seed=1,
+                                                             stop_on_eos=False))
+    assert len(out.token_ids) == NEW
