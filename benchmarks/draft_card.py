@@ -48,17 +48,48 @@ def _continuations_of(fingerprint: str) -> dict | None:
     return None
 
 
-def corpus_stats(names: list[str]) -> list[dict]:
-    """Manifest facts of each training corpus (a name under the distill cache or a directory)."""
+def train_facts(meta: dict) -> tuple[dict, list[str]]:
+    """The training config and the training corpora (in training order) a head file records: an exported
+    checkpoint keeps both in its ``summary``, a head written at the end of training beside it."""
+    extra = meta["extra"]
+    summary = extra.get("summary", {})
+    return (summary.get("train_config") or extra.get("train_config") or {},
+            list(summary.get("corpus") or extra.get("corpus") or []))
+
+
+def pinned_shards(train_corpora: list[str], max_shards) -> dict[str, int]:
+    """Shards read per corpus folder name under ``TrainConfig.max_shards`` (one count, or one per corpus in
+    training order); {} when training read every shard."""
+    if max_shards is None:
+        return {}
+    counts = [max_shards] * len(train_corpora) if isinstance(max_shards, int) else list(max_shards)
+    if len(counts) != len(train_corpora):
+        raise ValueError(f"max_shards {max_shards} does not fit the {len(train_corpora)} training corpora")
+    pinned: dict[str, int] = {}
+    for path, n in zip(train_corpora, counts):
+        name = Path(path).name
+        if pinned.setdefault(name, n) != n:
+            raise ValueError(f"corpus {name} is read with two shard counts ({pinned[name]} and {n})")
+    return pinned
+
+
+def corpus_stats(names: list[str], pinned: dict[str, int] | None = None) -> list[dict]:
+    """Manifest facts of each training corpus (a name under the distill cache or a directory); with ``pinned``
+    (folder name -> shards read) ``positions`` counts the positions of the shards training read."""
     from treespec.distill.train import distill_root
 
     out = []
     for name in dict.fromkeys(names):  # a corpus listed twice (upweighted) is described once
         folder = Path(name).expanduser() if ("/" in name or name.startswith("~")) else distill_root() / "corpus" / name
         man = json.loads((folder / "manifest.json").read_text())
-        stats = {"name": folder.name, "positions": man["positions"], "sequences": man["sequences_done"],
-                 "of": man["num_input_sequences"], "seconds": man["seconds"], "options": man["options"],
-                 "weight": names.count(name)}
+        stats = {"name": folder.name, "positions": man["positions"], "positions_built": man["positions"],
+                 "sequences": man["sequences_done"], "of": man["num_input_sequences"], "seconds": man["seconds"],
+                 "options": man["options"], "weight": names.count(name)}
+        shards = man.get("shards") or []
+        if pinned and folder.name in pinned and shards:
+            used = shards[:pinned[folder.name]]
+            stats.update(positions=sum(s["positions"] for s in used), sequences=sum(s["sequences"] for s in used),
+                         shards_used=f"{len(used)} of {len(shards)}")
         if man.get("continuations"):
             stats["continuations"] = _continuations_of(man["continuations"]) or {"fingerprint": man["continuations"]}
         out.append(stats)
@@ -71,7 +102,8 @@ def corpus_content(c: dict) -> str:
     if cont:
         if "path" not in cont:
             return f"prompt + stored continuations (fingerprint {cont['fingerprint'][:12]}, not in this checkout)"
-        return (f"prompt + the target's {cont.get('mode', '?')} continuation (up to {cont.get('new_tokens', '?')} "
+        mode = cont.get("mode", "?") + (f" (T={cont['temperature']})" if cont.get("mode") == "sample" else "")
+        return (f"prompt + the target's {mode} continuation (up to {cont.get('new_tokens', '?')} "
                 f"tokens, `{cont['path']}`)")
     opts = c["options"]
     if opts["continuation"] == "none":
@@ -83,7 +115,7 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
            commit: str, history: list[tuple[str, dict]] = ()) -> str:
     cfg, extra = meta["config"], meta["extra"]
     summary = extra.get("summary", {})
-    tc = summary.get("train_config", {})
+    tc, _ = train_facts(meta)
     params = metrics.get("trained_parameters", summary.get("trained_parameters"))
     cost = metrics["step_cost"]
     size_mb = head.stat().st_size / 1e6
@@ -125,11 +157,13 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
         *([f"- Training-time test (EAGLE-3, arXiv 2503.01840): the head is unrolled on its own features for "
            f"{tc['depths']} steps and every depth is trained (loss weight x{tc.get('depth_decay')} per depth)."]
           if (tc.get("depths") or 1) > 1 else []),
-        *([f"- Precision: autocast `{tc.get('amp')}` (bf16 on a CPU with native bf16), subset logits "
-           f"{'under the same autocast' if tc.get('logits_amp') else 'in float32'}."]
+        *([f"- Precision: autocast `{tc.get('amp')}`"
+           + (" (bf16 where the CPU computes bf16 natively, else float32)" if tc.get("amp") == "auto" else "")
+           + (f", subset logits {'under the same autocast' if tc.get('logits_amp') else 'in float32'}."
+              if tc.get("amp") != "off" else ", everything in float32.")]
           if "logits_amp" in tc else []),
-        *([f"- Data pinned to the first {' / '.join(map(str, tc['max_shards'])) if isinstance(tc['max_shards'], list) else tc['max_shards']} "
-           "shards of the corpora below, in order."] if tc.get("max_shards") else []),
+        *(["- Data pinned: training read only the first shards of each corpus (`max_shards`); the table counts "
+           "those."] if any("shards_used" in c for c in corpora) else []),
         (f"- Last training segment (the run's summary.json): {run_summary['seconds_this_run'] / 60:.0f} minutes, "
          f"{run_summary.get('positions_this_run', 0):,} positions, precision {run_summary.get('precision', '?')}, "
          f"ending at step {run_summary.get('step')}."
@@ -137,11 +171,12 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
          "- Training time: not recorded in the head or a run summary (pass --run-summary to state it)."),
         "- Corpus (only ../shared/data/train prompts, never the eval set):",
         "",
-        "| corpus | sequences | positions | content | build time | sampling weight |",
-        "|---|---:|---:|---|---:|---:|",
+        "| corpus | sequences | positions | shards read | content | build time | sampling weight |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for c in corpora:
-        lines.append(f"| {c['name']} | {c['sequences']:,} of {c['of']:,} | {c['positions']:,} | {corpus_content(c)} | "
+        lines.append(f"| {c['name']} | {c['sequences']:,} of {c['of']:,} | {c['positions']:,} | "
+                     f"{c.get('shards_used', 'all')} | {corpus_content(c)} | "
                      f"{c['seconds'] / 60:.0f} min | x{c['weight']} |")
     lines += [
         "",
@@ -162,13 +197,14 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
     by_depth = metrics.get("top1_agreement_T0_by_depth")
     if by_depth:
         t1 = metrics.get("sum_min_pq_T1_by_depth", [])
-        lines += ["", "Per tree depth (depth k: the head's k-th step along the target's own text, roots below it "
-                  "accepted; T=0 top-1 agreement is a chain's acceptance at that depth):", "",
+        lines += ["", "Per tree depth (depth k: the head's k-th step along the target's own text, given that depths "
+                  "1..k-1 were accepted; at T=0 top-1 agreement is a chain's acceptance at depth k):", "",
                   "| depth | " + " | ".join(str(k + 1) for k in range(len(by_depth))) + " |",
                   "|---|" + "---:|" * len(by_depth),
                   "| T=0 top-1 agreement | " + " | ".join(f"{v:.3f}" for v in by_depth) + " |"]
         if t1:
-            lines.append("| T=1 sum min(p, q) | " + " | ".join(f"{v:.3f}" for v in t1) + " |")
+            lines.append("| T=1 sum min(p, q) | " + " | ".join(f"{v:.3f}" for v in t1[:len(by_depth)])
+                         + " |" * (len(by_depth) - len(t1)) + " |")
         lines.append("")
     if "tau_chain4_T0" in metrics:
         lines.append(f"- tau of a chain of 4 in the engine: {metrics['tau_chain4_T0']:.2f} at T=0, "
@@ -211,24 +247,31 @@ def main(argv: list[str] | None = None) -> int:
     add_output_args(ap)
     args = ap.parse_args(argv)
     started = __import__("time").time()
-    rec, prov = open_results("draft", args.out, allow_dirty=args.allow_dirty)
     meta = head_metadata(args.head)
+    names = args.corpus.split(",")
+    _, trained_on = train_facts(meta)
+    if trained_on and [Path(c).name for c in dict.fromkeys(trained_on)] != [Path(c).name for c in dict.fromkeys(names)]:
+        raise SystemExit(f"--corpus {args.corpus} is not what the head records it was trained on: "
+                         f"{', '.join(Path(c).name for c in trained_on)}")
+    tc, _ = train_facts(meta)
+    corpora = corpus_stats(names, pinned_shards(trained_on or names, tc.get("max_shards")))
     metrics = json.loads(args.metrics.read_text())
-    corpora = corpus_stats(args.corpus.split(","))
+    rec, prov = open_results("draft", args.out, allow_dirty=args.allow_dirty)
     run_summary = json.loads(args.run_summary.read_text()) if args.run_summary else None
     commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
     history = []
     for path in args.history:
-        rec = json.loads(path.read_text())
-        if "commit" not in rec and (path.parent / "provenance.json").exists():
+        earlier = json.loads(path.read_text())
+        if "commit" not in earlier and (path.parent / "provenance.json").exists():
             prov_h = json.loads((path.parent / "provenance.json").read_text())
-            rec["commit"] = prov_h["commit_short"] + ("-dirty" if prov_h.get("dirty") else "")
-        history.append((path.parent.name, rec))
+            earlier["commit"] = prov_h["commit_short"] + ("-dirty" if prov_h.get("dirty") else "")
+        history.append((path.parent.name, earlier))
     card = render(args.head, meta, metrics, corpora, run_summary, commit, history)
     atomic_write_text(args.card, card)
     write_json(rec / "metrics.json", {"metrics": metrics, "corpora": corpora, "run_summary": run_summary,
                                       "sources": {"head": str(args.head), "metrics": str(args.metrics),
-                                                  "run_summary": str(args.run_summary) if args.run_summary else None},
+                                                  "run_summary": str(args.run_summary) if args.run_summary else None,
+                                                  "history": [str(p) for p in args.history]},
                                       "head_metadata": {k: meta[k] for k in ("config", "extra")}})
     atomic_write_text(rec / "card.md", card)
     finish(rec, started)

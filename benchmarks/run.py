@@ -221,13 +221,17 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
             from treespec.drafters import build_drafter
             from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
 
-            learner = [None]
+            learner: dict[float, OnlineHeadDrafter] = {}
 
-            def fresh_head() -> None:  # the shipped head as --draft head builds it, its own copy
-                learner[0] = OnlineHeadDrafter(build_drafter("head", model), OnlineHeadConfig())
+            def fresh_head() -> None:  # called per T: the next T builds its own copy of the head
+                learner.clear()
 
-            fresh_head()
-            add("ts_online_head", lambda t: learner[0], "OnlineHeadDrafter (own head copy per T)", fresh_head)
+            def online_head(t: float) -> OnlineHeadDrafter:  # the shipped head as --draft head builds it at T
+                if t not in learner:
+                    learner[t] = OnlineHeadDrafter(build_drafter("head", model, temperature=t), OnlineHeadConfig())
+                return learner[t]
+
+            add("ts_online_head", online_head, "OnlineHeadDrafter (own head copy per T)", fresh_head)
     if "ts_early_exit" in wanted:
         add("ts_early_exit", cli_drafter(model, tok, dtype, args.assistant),
             f"treespec generate --draft {args.assistant} (chain of 4)")

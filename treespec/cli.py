@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="children per depth for a model draft, e.g. 4 (chain of 4: 1,1,1,1) or 2,2,1; "
                         "for ngram: depth,branches (default 8,4)")
     g.add_argument("--law", choices=DRAFT_LAWS, default=None,
-                   help="draft law of a model draft at temperature > 0 (default: the shipped head's measured "
-                        "setting for it, iid for other drafts)")
+                   help="draft law of a model draft at temperature > 0 (default: the shipped head's own "
+                        "setting for T > 0, iid for other drafts)")
     g.add_argument("--verifier", choices=["auto", *sorted(VERIFIERS)], default="auto")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -247,6 +247,49 @@ def test_draft_card_describes_stored_continuations_depths_and_history(tmp_path):
     assert "Earlier heads" in card and "Earlier heads" not in render(head, head_metadata(head), metrics, [known], None, "abc1234")
 
 
+def test_draft_card_main_counts_pinned_shards_and_keeps_history(tmp_path, monkeypatch):
+    """End to end: the card counts only the shards training read (max_shards, in the head's training order),
+    states the training-time test and precision from the head's config, lists the history record, and the
+    results record names its sources; a --corpus other than the head's training corpora is refused before any
+    results folder exists."""
+    from benchmarks import draft_card
+
+    def corpus(name: str, shard_positions: list[int]) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(
+            {"positions": sum(shard_positions), "sequences_done": 2 * len(shard_positions),
+             "num_input_sequences": 2 * len(shard_positions), "seconds": 60.0,
+             "options": {"continuation": "none", "new_tokens": 64},
+             "shards": [{"positions": n, "sequences": 2} for n in shard_positions]}))
+        return tmp_path / name
+
+    first, second = corpus("first", [100, 200, 400]), corpus("second", [10, 20])
+    v1 = common.RESULTS / "draft" / "2026-11-22-010e29c-dirty" / "metrics.json"
+    head = common.REPO / "treespec" / "assets" / "gemma3-270m-head.safetensors"
+    meta = draft_card.head_metadata(head)
+    tc = dict(meta["extra"]["summary"]["train_config"], max_shards=[2, 1], depths=3, depth_decay=0.8, amp="auto",
+              logits_amp=True)
+    meta = {"config": meta["config"],
+            "extra": {"summary": dict(meta["extra"]["summary"], train_config=tc, corpus=[str(first), str(second)])}}
+    monkeypatch.setattr(draft_card, "head_metadata", lambda path: meta)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps(json.loads(v1.read_text())["metrics"]))
+    base = ["--head", str(head), "--metrics", str(metrics), "--card", str(tmp_path / "card.md"), "--allow-dirty"]
+    with pytest.raises(SystemExit, match="not what the head records"):
+        draft_card.main(base + ["--corpus", f"{second},{first}", "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "card.md").exists()
+
+    assert draft_card.main(base + ["--corpus", f"{first},{second}", "--history", str(v1),
+                                   "--out", str(tmp_path / "rec")]) == 0
+    card = (tmp_path / "card.md").read_text()
+    assert "| first | 4 of 6 | 300 | 2 of 3 |" in card and "| second | 2 of 4 | 10 | 1 of 2 |" in card
+    assert "Total: 310 token positions." in card
+    assert "unrolled on its own features for 3 steps" in card and "subset logits under the same autocast" in card
+    assert "| 2026-11-22-010e29c-dirty | 010e29c-dirty | 12 x 48 | 0.352 | 0.389 | 0.066 | float32 |" in card
+    record = json.loads((tmp_path / "rec" / "metrics.json").read_text())
+    assert record["sources"]["history"] == [str(v1)] and (tmp_path / "rec" / "card.md").read_text() == card
+
+
 def test_results_dir_of_older_scripts_needs_the_environment_switch(monkeypatch, repo):
     """Scripts without --allow-dirty (results_dir) refuse a dirty tree unless TREESPEC_ALLOW_DIRTY=1."""
     monkeypatch.setattr(common, "REPO", repo)

@@ -86,3 +86,19 @@ def test_the_shipped_head_takes_its_settings_by_temperature(monkeypatch):
     out = generate(target, PROMPT, sampled, GenerationConfig(max_new_tokens=NEW, sampling=SamplingConfig(0.7), seed=1,
                                                              stop_on_eos=False))
     assert len(out.token_ids) == NEW
+
+
+def test_the_cli_and_the_benchmark_pass_the_temperature_to_the_drafter(monkeypatch):
+    """`treespec generate` and benchmarks/run.py build the drafter for the run's temperature (which of the shipped
+    head's settings apply); a path that dropped it would draft at T>0 with the T=0 entry."""
+    import benchmarks.run as run
+    import treespec.cli as cli
+    import treespec.drafters as drafters
+
+    seen = []
+    monkeypatch.setattr(cli, "build_drafter", lambda *a, **k: seen.append(k["temperature"]))
+    monkeypatch.setattr(drafters, "build_drafter", lambda *a, **k: seen.append(k["temperature"]))
+    args = cli.build_parser().parse_args(["generate", "x", "--draft", "head", "--temperature", "0.7"])
+    cli._drafter(args, None, None, torch.float32)
+    run.cli_drafter(None, None, "float32", "head")(0.9)
+    assert seen == [0.7, 0.9]

@@ -430,7 +430,8 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     summary = {"step": step, "positions_this_run": positions, "seconds_this_run": elapsed,
                "positions_per_s": positions / max(elapsed, 1e-9), "ema": ema, "precision": precision,
                "trained_parameters": head.num_trained_parameters, "vocab_subset": int(head.vocab_ids.numel())}
-    head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "summary": summary})
+    head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "corpus": [str(d) for d in dirs],
+                                                   "summary": summary})
     atomic_write_json(run_dir / "summary.json", summary)
     return head, summary
 
