@@ -16,7 +16,17 @@
 #   bf16 expect several times more.
 #
 # Only ../shared/data/train prompts are used (rows 0:11000 of the seeded order; rows 11000: stay held out).
-# STAGE=corpus|train|all (default all), MINUTES per step (default 60), THREADS (default 1), PIN (shards per corpus).
+# STAGE=corpus|train|all (default all), MINUTES per step (default 60), THREADS (default 1), PIN (shards per corpus),
+# STEPS (training steps).
+#
+# Only the repository survives between sessions: the cache (shards, checkpoints) can be gone at the next
+# start, and a session lasts 3 hours. Session 16's 4,000-step run on PIN=47,21 (2.8M positions, ~2.5 h of two
+# threads after ~1.7 h of corpus) was lost with its cache before export. The shipped head is the run that fits in
+# one session: both corpora built side by side (one core each, `taskset`, THREADS=1) for ~50 minutes, then
+# PIN=21,21 (the shards each had finished: 901,782 greedy + 775,062 sampled positions). Training started with
+# STEPS=2400 on two threads; that session's CPU (an Intel Xeon with avx512_bf16 but no AMX) ran 5.1 s a step,
+# against 2.2 s on the AMD EPYC, so it was resumed from step 200 (the end of warmup, before which the learning
+# rate does not depend on STEPS) with STEPS=1000. The head file records its train_config; its card shows it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
@@ -27,6 +37,7 @@ CONT="${CONT:-corpora/head-v2/continuations}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
 PIN="${PIN:-47,21}"  # shards of the greedy (all 6,000 sequences) and the sampled corpus (chunks 0-20) the run reads
+STEPS="${STEPS:-4000}"
 corpora=()
 for spec in v2-greedy:0:6000 v2-sample:6000:11000; do
     name="${spec%%:*}"; rows="${spec#*:}"
@@ -42,6 +53,6 @@ done
 if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
     (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run head-v2 \
         --vocab-size 16384 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
-        --steps 4000 --batch-size 8 --seq-len 256 --lr 0.001 --warmup 200 --ckpt-every 100 --max-shards "$PIN" \
+        --steps "$STEPS" --batch-size 8 --seq-len 256 --lr 0.001 --warmup 200 --ckpt-every 100 --max-shards "$PIN" \
         --amp auto --dtype auto --threads "$THREADS" --time-limit "$MINUTES" --no-progress)
 fi
