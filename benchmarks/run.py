@@ -11,7 +11,8 @@ Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--
 * treespec, drafters built exactly as ``treespec generate --draft X`` builds them (``treespec.cli``):
   ``ts_plain`` (no draft), ``ts_ngram`` (adaptive prompt lookup), ``ts_head`` (the shipped head with its
   shipped min-confidence), ``ts_head_chain`` (the head with ``--min-confidence 0``), ``ts_lookup_head``
-  (the CLI default at T=0; at T>0 the CLI default is ``ts_ngram``);
+  (prompt lookup where the context repeats, the head elsewhere); which row is ``treespec generate``'s
+  default per dtype and temperature is read from the CLI and named in every table;
 * Hugging Face transformers: ``hf_plain`` (``generate``), ``hf_prompt_lookup``
   (``prompt_lookup_num_tokens``), ``hf_assisted`` (assisted generation; the assistant is
   ``--assistant``, by default the target's own first 16 layers, ``early-exit:16``);

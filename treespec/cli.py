@@ -61,9 +61,11 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
     """``--draft`` with ``auto`` resolved to the best measured drafter of the embedded target for the run's dtype
     (``dtype``, else the one ``args`` asks for), chosen on train prompts (``benchmarks/results/tuning/``):
 
-    * T=0: n-gram lookup (bf16: ``2026-11-24-5cbee63-bf16-head-trees``, it equals or beats lookup+head);
+    * T=0: n-gram lookup (bf16: ``2026-11-24-5cbee63-bf16-head-trees``, it equals or beats lookup+head; with
+      head v2 too, ``2026-11-25-6b9a6c8-bf16-v2-defaults``: 3.02x plain against 2.80x);
     * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
-      n-gram lookup), where a tree pass costs about one decoding step;
+      n-gram lookup, head v1 on the AMD EPYC; ``2026-11-25-6b9a6c8-bf16-v2-defaults``: head v2 1.22x against
+      1.09x, on an Intel Xeon with native bf16), where a tree pass costs about one decoding step;
     * T>0 in float32: no drafter (``none``, plain decoding): every
       drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``, the AMD EPYC forced to
       float32); with an explicit ``--tree``, ``--min-confidence`` or ``--law`` the shipped head, which follows them.

@@ -23,7 +23,10 @@ DEFAULT_MEDUSA = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-m
 
 #: how the CLI drafts with it when no --tree / --min-confidence / --law is given, at T=0 ("greedy") and at
 #: T>0 ("sampled"); chosen on train prompts (benchmarks/results/tuning/; T=0: confidence 0.2 beat 0.4 for
-#: lookup+head, 2.32x against 2.16x over plain decoding in fp32; T>0 keeps the same chain, drawn iid)
+#: lookup+head, 2.32x against 2.16x over plain decoding in fp32; T>0 keeps the same chain, drawn iid).
+#: Re-checked for head v2 in bf16 (tuning/2026-11-25-6b9a6c8-bf16-v2-defaults: chains of 2 and 5, confidence
+#: 0.1, 2,1 and 3,1,1 without replacement, 2,1,1 greedy-draft): no variant beat these settings beyond the
+#: prompt-to-prompt spread at either temperature, and greedy-draft 2,1,1 was slower at T=1, so they stay.
 DEFAULT_HEAD_SETTINGS = {
     "greedy": {"tree": (1, 1, 1), "min_confidence": 0.2},
     "sampled": {"tree": (1, 1, 1), "min_confidence": 0.2, "law": "iid"},
