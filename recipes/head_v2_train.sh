@@ -17,7 +17,9 @@
 #
 # Only ../shared/data/train prompts are used (rows 0:11000 of the seeded order; rows 11000: stay held out).
 # STAGE=corpus|train|all (default all), MINUTES per step (default 60), THREADS (default 1), PIN (shards per corpus),
-# STEPS (training steps).
+# STEPS (training steps), RUN (run name, default head-v2), INIT (a head file a NEW run starts from, e.g. the
+# shipped treespec/assets/gemma3-270m-head.safetensors: continued training), LR (default 0.001), WARMUP (default 200),
+# SEED (default 0; it orders the batches: give a continued run another seed, so that it reads the data in another order).
 #
 # Only the repository survives between sessions: the cache (shards, checkpoints) can be gone at the next
 # start, and a session lasts 3 hours. Session 16's 4,000-step run on PIN=47,21 (2.8M positions, ~2.5 h of two
@@ -38,6 +40,12 @@ CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
 PIN="${PIN:-47,21}"  # shards of the greedy (all 6,000 sequences) and the sampled corpus (chunks 0-20) the run reads
 STEPS="${STEPS:-4000}"
+RUN="${RUN:-head-v2}"
+LR="${LR:-0.001}"
+WARMUP="${WARMUP:-200}"
+SEED="${SEED:-0}"
+init=()
+[ -n "${INIT:-}" ] && init=(--init-head "$INIT")  # ignored by a run that already has checkpoints (it resumes)
 corpora=()
 for spec in v2-greedy:0:6000 v2-sample:6000:11000; do
     name="${spec%%:*}"; rows="${spec#*:}"
@@ -51,8 +59,8 @@ for spec in v2-greedy:0:6000 v2-sample:6000:11000; do
     fi
 done
 if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
-    (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run head-v2 \
+    (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run "$RUN" "${init[@]}" \
         --vocab-size 16384 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
-        --steps "$STEPS" --batch-size 8 --seq-len 256 --lr 0.001 --warmup 200 --ckpt-every 100 --max-shards "$PIN" \
+        --steps "$STEPS" --batch-size 8 --seq-len 256 --lr "$LR" --warmup "$WARMUP" --ckpt-every 100 --max-shards "$PIN" --seed "$SEED" \
         --amp auto --dtype auto --threads "$THREADS" --time-limit "$MINUTES" --no-progress)
 fi

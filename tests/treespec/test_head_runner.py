@@ -131,6 +131,29 @@ def test_depth_calibration_and_depth_aware_sequoia(target, trained):  # noqa: F8
         assert row == pytest.approx([1.0, 0.0, 0.0])
 
 
+
+def test_depth_calibration_skips_only_unscored_rows(target, trained):  # noqa: F811
+    """With ``score_from``, the rows skipped before the scored region change nothing (T = 0, where no
+    children are drawn at random): every depth's row and weight equal the computation over every row.
+    Two drafts: the head (its rows predict 2 positions ahead) and the target itself (a causal LM, 1 ahead)
+    along its own greedy text, where every depth is reached and so carries weight."""
+    _, head, _ = trained
+    seqs = []
+    with torch.no_grad():
+        for p in prompts()[:4]:
+            ids = p[:12]
+            for _ in range(12):  # the target's own greedy continuation: the draft = target accepts every level
+                ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+            seqs.append(ids)
+    starts = [10, 14, 3, 20]
+    kw = dict(width=4, depths=3, min_weight=1.0, score_from=starts)
+    for draft in (head, target):
+        fast = measure_acceptance_vector(target, draft, seqs, SamplingConfig(0.0), **kw)
+        ref = measure_acceptance_vector(target, draft, seqs, SamplingConfig(0.0), skip_unscored=False, **kw)
+        assert fast.meta["depth_weights"] == ref.meta["depth_weights"]
+        assert fast.by_depth == ref.by_depth
+    assert min(ref.meta["depth_weights"]) > 10  # the target as draft: every depth weighed
+
 LAW_CASES = {
     # adaptive draft length at T = 1: every drawn child kept, only confident ones expanded
     "head_adaptive_iid": (lambda h: ShapeDrafter(h, TreeShape.widths((2, 2, 1)), "iid", min_confidence=0.35), "rrs"),

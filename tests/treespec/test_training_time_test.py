@@ -196,3 +196,33 @@ def test_depth_metrics_equal_the_full_vocabulary_reference(target, trained):  # 
     for k in range(4):
         assert abs(got["top1_agreement_by_depth"][k] - agree[k] / count[k]) < 1e-9
         assert abs(got["sum_min_pq_by_depth"][k] - accept[k] / count[k]) < 1e-5
+
+
+def test_depth_metrics_by_group_equal_separate_calls(target, trained):  # noqa: F811
+    """``groups`` splits the totals: each label's metrics equal ``depth_metrics`` on that label's prompts
+    alone, and the totals stay those of the ungrouped call."""
+    from treespec.distill.evaluate import depth_metrics
+
+    from .test_distill import prompts
+
+    _, head, _ = trained
+    ps = [p[:20] for p in prompts()[:4]]
+    gens = [p[20:26 + i] for i, p in enumerate(prompts()[:4])]  # unequal lengths: unequal weights
+    labels = ["a", "b", "a", "b"]
+    got = depth_metrics(target, head, ps, gens, depths=3, groups=labels)
+    whole = depth_metrics(target, head, ps, gens, depths=3)
+    assert got["positions_by_depth"] == whole["positions_by_depth"]
+    for k in range(3):
+        assert abs(got["top1_agreement_by_depth"][k] - whole["top1_agreement_by_depth"][k]) < 1e-9
+        assert abs(got["sum_min_pq_by_depth"][k] - whole["sum_min_pq_by_depth"][k]) < 1e-6
+    assert sorted(got["by_group"]) == ["a", "b"]
+    for label in ("a", "b"):
+        idx = [i for i, g in enumerate(labels) if g == label]
+        alone = depth_metrics(target, head, [ps[i] for i in idx], [gens[i] for i in idx], depths=3)
+        part = got["by_group"][label]
+        assert part["positions_by_depth"] == alone["positions_by_depth"]
+        for k in range(3):
+            assert abs(part["top1_agreement_by_depth"][k] - alone["top1_agreement_by_depth"][k]) < 1e-9
+            assert abs(part["sum_min_pq_by_depth"][k] - alone["sum_min_pq_by_depth"][k]) < 1e-6
+    with pytest.raises(ValueError, match="groups"):
+        depth_metrics(target, head, ps, gens, depths=1, groups=labels[:3])

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--head", default=None, help="head .safetensors (default: the run's head.safetensors)")
     e.add_argument("--run", default="gemma3-270m-head")
     e.add_argument("--prompts", default=DEFAULT_EVAL)
+    e.add_argument("--held-out-train", action="store_true",
+                   help="measure on held-out train rows instead (rows 11000: of the corpora's seeded order, which "
+                        "no corpus reads), to tell the train distribution from Spec-Bench's")
     e.add_argument("--num-prompts", type=int, default=24)
     e.add_argument("--max-prompt-len", type=int, default=512)
     e.add_argument("--new-tokens", type=int, default=64)
@@ -319,13 +322,21 @@ def _run(args) -> None:
             head.save(args.export, dtype=getattr(torch, args.export_dtype), extra={"summary": summary})
         print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
     else:
+        import random
+
         from ..drafting.head import EagleHead
-        from .corpus import read_prompts
+        from .corpus import HELD_OUT_FROM, read_prompts, shared_dir
         from .evaluate import chain_tau, depth_metrics, step_cost, target_generations
 
         path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
         head = read_head_file(path, EagleHead.load)  # bad files are reported before the target is loaded
-        rows = read_prompts(args.prompts, limit=args.num_prompts, seed=1234)
+        if args.held_out_train:  # a seeded choice among the rows no corpus reads (HELD_OUT_FROM onwards)
+            rows = read_prompts(shared_dir() / "data" / "train" / "train_prompts.jsonl", seed=0)[HELD_OUT_FROM:]
+            random.Random(1234).shuffle(rows)
+            rows = rows[: args.num_prompts]
+        else:
+            rows = read_prompts(args.prompts, limit=args.num_prompts, seed=1234)
+        groups = [str(r.get("subtask") or r.get("category") or "all") for r in rows]  # Spec-Bench / train label
         model = load_model(args.target, dtype=args.dtype)
         tok = load_tokenizer(args.target)
         try:
@@ -339,15 +350,22 @@ def _run(args) -> None:
                                     progress=not args.no_progress)
         sampled = target_generations(model, prompts, args.new_tokens, 1.0, cache=cache,
                                      progress=not args.no_progress)
-        m0 = depth_metrics(model, head, prompts, greedy, args.depths)
-        m1 = depth_metrics(model, head, prompts, sampled, args.depths)
-        result = {"head": path, "prompts": len(prompts), "new_tokens": args.new_tokens, "positions_T0": m0["positions"],
+        m0 = depth_metrics(model, head, prompts, greedy, args.depths, groups)
+        m1 = depth_metrics(model, head, prompts, sampled, args.depths, groups)
+        result = {"head": path, "prompt_set": "held-out train rows" if args.held_out_train else str(args.prompts),
+                  "prompts": len(prompts), "new_tokens": args.new_tokens, "positions_T0": m0["positions"],
                   "top1_agreement_T0": m0["top1_agreement"], "positions_T1": m1["positions"],
                   "sum_min_pq_T1": m1["sum_min_pq"], "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
                   "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"], "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
                   "positions_T0_by_depth": m0["positions_by_depth"], "trained_parameters": head.num_trained_parameters,
                   "vocab_subset": int(head.vocab_ids.numel()), "step_cost": step_cost(model, head),
-                  "threads": args.threads, "dtype": str(next(model.parameters()).dtype)}
+                  "threads": args.threads, "dtype": str(next(model.parameters()).dtype),
+                  "by_group": {g: {"prompts": groups.count(g),
+                                   "top1_agreement_T0_by_depth": m0["by_group"][g]["top1_agreement_by_depth"],
+                                   "positions_T0": m0["by_group"][g]["positions"],
+                                   "sum_min_pq_T1_by_depth": m1["by_group"][g]["sum_min_pq_by_depth"],
+                                   "positions_T1": m1["by_group"][g]["positions"]}
+                               for g in sorted(set(m0["by_group"]) & set(m1["by_group"]))}}
         if args.tau:
             tp = prompts[: args.tau_prompts]
             result["tau_chain4_T0"] = chain_tau(model, head, tp, 4, 0.0, args.new_tokens)

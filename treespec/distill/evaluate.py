@@ -52,7 +52,8 @@ def target_generations(model, prompts: list[list[int]], new_tokens: int, tempera
 
 
 @torch.no_grad()
-def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[list[int]], depths: int = 1) -> dict:
+def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[list[int]], depths: int = 1,
+                  groups: list[str] | None = None) -> dict:
     """Top-1 agreement and sum min(p, q) of the head at tree depths ``1..depths`` over generated positions.
 
     Depth ``k`` at position ``j`` is the head's q for the node ``k`` levels below a root at
@@ -62,14 +63,20 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
     Positions whose depth-``k`` root would precede position 1 are left out of depth ``k``.
     Returns per-depth lists ``top1_agreement_by_depth``, ``sum_min_pq_by_depth``, ``positions_by_depth``
     and the depth-1 values as ``top1_agreement`` / ``sum_min_pq`` / ``positions``.
+    ``groups`` (one label per prompt, e.g. its task): also ``by_group``, the same per-depth lists for the
+    prompts of each label (a position-weighted split of the totals).
     """
     if depths < 1:
         raise ValueError("depths must be >= 1")
-    agree, accept, count = [0.0] * depths, [0.0] * depths, [0] * depths
+    if groups is not None and len(groups) != len(prompts):
+        raise ValueError(f"groups: {len(groups)} labels for {len(prompts)} prompts")
+    sums: dict[str | None, list[list[float]]] = {}  # label -> [agree, accept, count] per depth
     device = head.fc.weight.device
-    for prompt, gen in zip(prompts, gens):
+    for i, (prompt, gen) in enumerate(zip(prompts, gens)):
         if not gen:
             continue
+        agree, accept, count = sums.setdefault(None if groups is None else groups[i],
+                                               [[0.0] * depths, [0.0] * depths, [0] * depths])
         seq = torch.tensor(prompt + gen, device=device)
         f = model_features(model, seq[None], layers=head.cfg.feature_layers)[0].float()  # [n, F]
         h = head.last_hidden(f)  # [n, H]
@@ -86,10 +93,18 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
             agree[k - 1] += float((head.vocab_ids[q_sub.argmax(-1)] == top_p[-pk.shape[0]:]).sum())
             accept[k - 1] += float(torch.minimum(pk[:, head.vocab_ids], q_sub).sum())
             count[k - 1] += hi - lo
-    by_agree = [a / max(n, 1) for a, n in zip(agree, count)]
-    by_accept = [a / max(n, 1) for a, n in zip(accept, count)]
-    return {"positions": count[0], "top1_agreement": by_agree[0], "sum_min_pq": by_accept[0],
-            "positions_by_depth": count, "top1_agreement_by_depth": by_agree, "sum_min_pq_by_depth": by_accept}
+
+    def summarise(agree: list[float], accept: list[float], count: list[int]) -> dict:
+        by_agree = [a / max(n, 1) for a, n in zip(agree, count)]
+        by_accept = [a / max(n, 1) for a, n in zip(accept, count)]
+        return {"positions": count[0], "top1_agreement": by_agree[0], "sum_min_pq": by_accept[0],
+                "positions_by_depth": count, "top1_agreement_by_depth": by_agree, "sum_min_pq_by_depth": by_accept}
+
+    totals = [[sum(v[j][k] for v in sums.values()) for k in range(depths)] for j in range(3)]
+    out = summarise(totals[0], totals[1], [int(n) for n in totals[2]])
+    if groups is not None:
+        out["by_group"] = {g: summarise(*v) for g, v in sorted(sums.items())}
+    return out
 
 
 @torch.no_grad()
