@@ -4,6 +4,7 @@ bandwidth reference (the time to read every target weight byte once, measured in
     python benchmarks/profile_hardware.py [--dtype float32] [--threads 2] [--draft early-exit:12] [--fast]
     python benchmarks/profile_hardware.py --dtype bfloat16 --compare     # eager runner vs fast runner
     python benchmarks/profile_hardware.py --dtype bfloat16 --compare --quantize int4   # + the 4-bit target
+    python benchmarks/profile_hardware.py --dtype bfloat16 --fast --sizes 1,4,8,16 --verification  # + T=1 verification
 
 ``--fast`` profiles the fast runner (``treespec.models.fast``: lean forward, static KV cache);
 ``--compare`` profiles both runners on the same loaded model, one after the other.
@@ -101,6 +102,76 @@ def component_times(target, quantize: str | None = None, sizes: tuple[int, ...] 
     return {"rounds": rounds, "prefix": prefix, "quantize": quantize, "ms": out}
 
 
+@torch.no_grad()
+def verification_times(target, sizes: tuple[int, ...] = (4, 8, 16), rounds: int = 9, prefix: int = 128,
+                       subset: int = 16384, width: int = 4) -> dict:
+    """What a tree costs besides its target pass at temperature 1, medians over interleaved rounds (ms).
+
+    A tree of n nodes: the root with ``width`` children, the other nodes a chain below the first child
+    (a multi-draft first level, then a chain; internal nodes = n - width). Its target logits come from a
+    real fast-runner pass (timed too); the draft's q lives on ``subset`` tokens (as the head's does), the
+    children are drawn from it. Timed: ``pass`` (the forward, logits included), ``probs`` (logits -> float32
+    target_probs at T=1, over the whole vocabulary), ``rrs`` / ``rrs_wor`` (the verifiers with and without
+    replacement on those probs), ``rrs_dense`` / ``rrs_wor_dense`` (the same verifications with the node rule
+    run over every column at every rank, the reference the support path replaced), ``greedy`` (the T=0
+    verifier on the logits: each row's argmax).
+    """
+    import statistics
+
+    from treespec.models.fast import make_runner
+    from treespec.sampling import SamplingConfig, logits_to_probs
+    from treespec.tree import TokenTree
+    from treespec.verify import VERIFIERS
+    from treespec.verify.core import verify_tree
+    from treespec.verify.rules import dense_rrs_rule, dense_rrs_without_replacement_rule
+
+    runner = make_runner(target, fast=True)
+    runner.reset()
+    runner.forward(None, None, torch.arange(1, prefix + 1) % runner.vocab_size, need_logits=False)
+    vocab, g = runner.vocab_size, torch.Generator().manual_seed(0)
+    ids = torch.randperm(vocab, generator=g)[:subset]
+    cases = {}
+    for n in sizes:
+        w = min(width, n - 1)
+        parents = [-1] + [0] * w + [1] + list(range(w + 1, n - 1))
+        q = torch.zeros(n, vocab)
+        q[:, ids] = torch.softmax(3 * torch.randn(n, subset, generator=g), dim=-1)  # [n, V], zero off the subset
+        first = ids[torch.multinomial(q[0, ids], w, replacement=False, generator=g)].tolist()  # distinct: both laws
+        chain = ids[torch.randint(0, subset, (n - 1 - w,), generator=g)].tolist()
+        tokens = [int(ids[0])] + first + chain
+        cases[n] = {law: TokenTree.from_lists(parents[:n], tokens, law) for law in ("iid", "without_replacement")}
+        cases[n]["q"] = q
+    t1 = SamplingConfig(1.0)
+    names = ("pass", "probs", "rrs", "rrs_wor", "rrs_dense", "rrs_wor_dense", "greedy")
+    parts = {(n, part): [] for n in sizes for part in names}
+    for r in range(rounds + 1):  # the first round warms up
+        for n in sizes:
+            tree, nodes = cases[n]["iid"], torch.arange(n)
+            t0 = time.perf_counter()
+            logits = runner.forward(tree, nodes)["logits"]  # [n, V]
+            runner.commit([])
+            t_pass = time.perf_counter()
+            p = logits_to_probs(logits, t1)  # [n, V]
+            t_probs = time.perf_counter()
+            VERIFIERS["rrs"](tree, p, cases[n]["q"], g)
+            t_rrs = time.perf_counter()
+            VERIFIERS["rrs_without_replacement"](cases[n]["without_replacement"], p, cases[n]["q"], g)
+            t_wor = time.perf_counter()
+            verify_tree(tree, p, cases[n]["q"], g, dense_rrs_rule)
+            t_dense = time.perf_counter()
+            verify_tree(cases[n]["without_replacement"], p, cases[n]["q"], g, dense_rrs_without_replacement_rule)
+            t_wor_dense = time.perf_counter()
+            VERIFIERS["greedy"](tree, logits)
+            t_greedy = time.perf_counter()
+            if r:
+                for part, dt in (("pass", t_pass - t0), ("probs", t_probs - t_pass), ("rrs", t_rrs - t_probs),
+                                 ("rrs_wor", t_wor - t_rrs), ("rrs_dense", t_dense - t_wor),
+                                 ("rrs_wor_dense", t_wor_dense - t_dense), ("greedy", t_greedy - t_wor_dense)):
+                    parts[(n, part)].append(dt)
+    ms = {str(n): {part: statistics.median(parts[(n, part)]) * 1000 for part in names} for n in sizes}
+    return {"rounds": rounds, "prefix": prefix, "subset": subset, "width": width, "ms": ms}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32")
@@ -111,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--fast", action="store_true", help="profile the fast runner (treespec.models.fast)")
     ap.add_argument("--compare", action="store_true", help="profile the eager and the fast runner")
+    ap.add_argument("--verification", action="store_true",
+                    help="also time T=1 verification of 4-, 8- and 16-node trees beside their pass (fast runner)")
     ap.add_argument("--quantize", choices=["int4"], default=None,
                     help="also profile the fast runner on 4-bit weights (treespec generate --quantize int4)")
     add_output_args(ap)
@@ -133,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         meta["components"] = {"fast": component_times(target, rounds=args.repeats)}
         if args.quantize:
             meta["components"][args.quantize] = component_times(target, args.quantize, rounds=args.repeats)
+    if args.verification:
+        meta["verification"] = verification_times(target, rounds=args.repeats)
     write_json(out / "meta.json", meta)
     lines = [f"# Hardware profile ({meta['commit']}): Gemma-3-270M {args.dtype}, {args.threads} threads", "",
              f"{meta['machine']['cpu']}"]
@@ -157,6 +232,14 @@ def main(argv: list[str] | None = None) -> int:
                   "| n | pass | body (layers) | LM head | rest | LM head GFLOP/s |", "|---|---|---|---|---|---|"]
         lines += [f"| {n} | {c['pass']:.1f} | {c['body']:.1f} | {c['lm_head']:.1f} | {c['rest']:.1f} | "
                   f"{c['lm_head_gflops']:.0f} |" for n, c in comp["ms"].items()]
+    if "verification" in meta:
+        v = meta["verification"]
+        lines += ["", f"## A tree at T=1 besides its pass (fast runner; the root with {v['width']} children, then a "
+                      f"chain; q on {v['subset']} tokens; medians of {v['rounds']} interleaved rounds, ms)", "",
+                  "| n | pass | target_probs (T=1) | rrs | rrs dense | rrs without replacement | "
+                  "rrs without replacement dense | greedy (T=0) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {n} | {c['pass']:.1f} | {c['probs']:.1f} | {c['rrs']:.1f} | {c['rrs_dense']:.1f} | "
+                  f"{c['rrs_wor']:.1f} | {c['rrs_wor_dense']:.1f} | {c['greedy']:.1f} |" for n, c in v["ms"].items()]
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     finish(out, started)
     print("\n".join(lines))

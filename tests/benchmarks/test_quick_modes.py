@@ -119,3 +119,19 @@ def test_profile_components_add_up(dtype):
         assert min(c["pass"], c["body"], c["lm_head"]) > 0
         assert c["rest"] == pytest.approx(c["pass"] - c["body"] - c["lm_head"])
         assert c["lm_head_gflops"] == pytest.approx(2 * int(n) * 64 * 32 / (c["lm_head"] / 1000) / 1e9, rel=1e-9)
+
+
+def test_profile_verification_times_measure_every_part():
+    """profile_hardware --verification on a tiny Gemma-3 (vocabulary 64, q on 16 tokens): every part of a
+    T=1 tree (pass, target_probs, both rejection verifiers on the support path and dense, greedy) timed."""
+    import torch
+
+    from benchmarks.profile_hardware import verification_times
+    from treespec.models.tiny import tiny_model
+
+    model = tiny_model("gemma3", 64, num_layers=2).to(torch.float32).eval()
+    ver = verification_times(model, sizes=(4, 8), rounds=2, prefix=8, subset=16, width=3)
+    assert set(ver["ms"]) == {"4", "8"}
+    for c in ver["ms"].values():
+        assert set(c) == {"pass", "probs", "rrs", "rrs_wor", "rrs_dense", "rrs_wor_dense", "greedy"}
+        assert min(c.values()) > 0

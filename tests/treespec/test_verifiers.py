@@ -249,6 +249,84 @@ def test_exact_output_law_is_the_target(name):
     assert torch.allclose(residual.sum(dim=1), torch.ones(residual.shape[0], dtype=DT), atol=1e-9)
 
 
+def _sparse_q_cases(seed=0, num_cases=90):
+    """(p, q, n) with q zero outside at most half of the vocabulary (a draft head's q lives on its
+    subset), so that the rejection rules take their support path; p: random, zero on part of q's
+    support, all of its mass on q's support, or none of it there."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for c in range(num_cases):
+        v = 6 + c % 5
+        s = 1 + (c // 5) % (v // 2)
+        on = rng.permutation(v)[:s]
+        q = np.zeros(v)
+        q[on] = rng.dirichlet(np.ones(s))
+        p = _dirichlet(rng, v)
+        kind = c % 3
+        if kind == 1:  # all of p's mass on q's support (p is 0 off it)
+            p = np.zeros(v); p[on] = rng.random(s) + 0.05
+        elif kind == 2 and s < v:  # part of q's support has p = 0
+            p[on[: max(1, s // 2)]] = 0.0
+        cases.append((p / p.sum(), q, 1 + c % 3))
+    return cases
+
+
+@pytest.mark.parametrize("name", ["rrs", "rrs_without_replacement", "single"])
+def test_support_path_exact_law_and_equal_to_dense(name):
+    """The rejection rules on q's support (one case per call, so the union of q's supports is at most
+    half of the vocabulary and the support path runs): the exact output law is p (float64, 1e-9), and
+    choice_probs / residual equal the dense reference's (1e-12), also for drawn children with q = 0."""
+    from treespec.verify import rules
+
+    law = VERIFIER_LAWS[name][0]
+    dense = rules.dense_rrs_rule if law == "iid" else rules.dense_rrs_without_replacement_rule
+    rule = VERIFIER_RULES[name]
+    used_support_path = 0
+    for p, q, n in _sparse_q_cases():
+        if name == "single":
+            n = 1
+        tuples = ENUMERATORS[law](list(q), n)
+        pr = torch.tensor(np.array([p] * len(tuples)), dtype=DT)
+        qr = torch.tensor(np.array([q] * len(tuples)), dtype=DT)
+        tokens = torch.tensor([list(t) for t, _ in tuples], dtype=torch.long)
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+        weights = torch.tensor([w for _, w in tuples], dtype=DT)
+        mix = (weights[:, None] * output_law(pr, qr, tokens, valid, rule)).sum(dim=0)
+        assert float((mix - pr[0]).abs().max()) < 1e-9, (name, p, q, n)
+        for got, ref in zip(rule(pr, qr, tokens, valid), dense(pr, qr, tokens, valid)):
+            assert torch.allclose(got, ref, atol=1e-12, rtol=0), (name, p, q, n)
+        # children the law never draws (q = 0 there, some off every row's support) and invalid slots
+        odd = torch.randint(0, len(p), tokens.shape, generator=torch.Generator().manual_seed(len(tuples)))
+        slots = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(1)) < 0.8
+        for got, ref in zip(rule(pr, qr, odd, slots), dense(pr, qr, odd, slots)):
+            assert torch.allclose(got, ref, atol=1e-12, rtol=0), (name, p, q, n)
+        used_support_path += int(2 * int((q > 0).sum()) <= len(q))
+    assert used_support_path == len(_sparse_q_cases())
+
+
+def test_support_path_twin_dropping_the_mass_off_the_support_fails():
+    """Twin: the support path told that q's support is the whole vocabulary (so the residual's part off
+    the support, c * p, is lost) breaks the exact law on the same cases."""
+    from treespec.verify import rules
+
+    worst = 0.0
+    for p, q, n in _sparse_q_cases():
+        tuples = ENUMERATORS["iid"](list(q), n)
+        pr = torch.tensor(np.array([p] * len(tuples)), dtype=DT)
+        qr = torch.tensor(np.array([q] * len(tuples)), dtype=DT)
+        cols = torch.nonzero(qr[0] > 0).flatten()
+
+        def broken(p_, q_, t_, v_, cols=cols):
+            return rules._rejection_on_support(p_, q_, t_, v_, cols, torch.ones(p_.shape[1], dtype=torch.bool),
+                                               False)
+
+        tokens = torch.tensor([list(t) for t, _ in tuples], dtype=torch.long)
+        weights = torch.tensor([w for _, w in tuples], dtype=DT)
+        mix = (weights[:, None] * output_law(pr, qr, tokens, torch.ones_like(tokens, dtype=torch.bool),
+                                              broken)).sum(dim=0)
+        worst = max(worst, float((mix - pr[0]).abs().max()))
+    assert worst > 1e-3
+
 def test_greedy_with_deterministic_candidates_is_exact():
     cases = make_cases("greedy", seed=1)
     cases = [(p, q, min(n, len(p))) for p, q, n in cases]

@@ -34,15 +34,27 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 
 def rejection_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
-                   child_valid: torch.Tensor, *, without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   child_valid: torch.Tensor, *, without_replacement: bool,
+                   dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling over ordered children drawn from q.
 
     With replacement (SpecInfer): child i is accepted with probability ``min(1, r(x_i) / q(x_i))``
     where r is the current residual (initially p); on rejection ``r <- norm((r - q)+)``.
     Without replacement (Jeon et al.): the same test with ``q_i``, the law child i was drawn from;
     on rejection ``r <- norm((r - q_i)+)`` and ``q_{i+1} = norm(q_i with x_i removed)``.
+
+    Where q is zero (a draft head's q lives on its vocabulary subset), ``(r - q)+ = r``: there the
+    residual stays the same multiple ``c`` of p at every rank. So the recursion runs on the columns
+    where some row of q is positive, plus one scale ``c`` per row (:func:`_rejection_on_support`),
+    and the full ``[M, V]`` residual is formed once at the end; ``dense=True`` (or a support above
+    half the vocabulary) runs every rank over all ``V`` columns, the reference it is tested against.
     """
     assert q is not None
+    if not dense:
+        support = (q > 0).any(dim=0)  # [V] columns where some row of q has mass
+        cols = torch.nonzero(support).flatten()  # [S] ascending
+        if 0 < 2 * cols.numel() <= q.shape[1]:
+            return _rejection_on_support(p, q, child_tokens, child_valid, cols, support, without_replacement)
     m, k = child_tokens.shape
     r = p  # [M, V]
     qi = q  # [M, V]
@@ -63,12 +75,64 @@ def rejection_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.
     return choice, r
 
 
+def _rejection_on_support(p: torch.Tensor, q: torch.Tensor, child_tokens: torch.Tensor, child_valid: torch.Tensor,
+                          cols: torch.Tensor, support: torch.Tensor,
+                          without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_rule` with the residual kept as ``r = r_s`` on the support columns ``cols`` ``[S]``
+    and ``r = c * p`` elsewhere (``c`` ``[M, 1]``): the same arithmetic per rank on ``[M, S]`` instead of
+    ``[M, V]``. Row totals add ``c`` times p's mass off the support (float64 from one masked pass)."""
+    m, k = child_tokens.shape
+    r_s = p[:, cols]  # [M, S]
+    q_s = q[:, cols]  # [M, S]
+    p_off = row_mass(p * (~support).to(p.dtype))  # [M, 1] float64: p's mass where every q row is zero
+    c = torch.ones(m, 1, dtype=torch.float64, device=p.device)  # the residual off the support is c * p
+    # each child's column in the support, and whether it is there (a valid child may have q = 0 everywhere)
+    pos = torch.searchsorted(cols, child_tokens).clamp(max=cols.numel() - 1)  # [M, K]
+    on = cols[pos] == child_tokens  # [M, K]
+    p_x = p.gather(1, child_tokens)  # [M, K] p at each child (the residual off the support is c * p_x)
+    alive = torch.ones(m, 1, dtype=p.dtype, device=p.device)
+    choice = torch.zeros(m, k + 1, dtype=p.dtype, device=p.device)
+    for i in range(k):
+        x, on_i = pos[:, i:i + 1], on[:, i:i + 1]
+        valid = child_valid[:, i:i + 1]
+        zero = torch.zeros(m, 1, dtype=p.dtype, device=p.device)
+        r_x = torch.where(on_i, r_s.gather(1, x), (c * p_x[:, i:i + 1]).to(p.dtype))
+        q_x = torch.where(on_i, q_s.gather(1, x), zero)
+        a = _ratio(r_x, q_x) * valid  # [M, 1]
+        choice[:, i:i + 1] = alive * a
+        alive = alive * (1 - a)
+        diff = (r_s - q_s).clamp(min=0)  # [M, S]; off the support (r - q)+ = r = c * p
+        total = diff.sum(dim=1, keepdim=True) + (c * p_off).to(p.dtype)  # [M, 1]
+        ok = total > 0
+        safe = torch.where(ok, total, torch.ones_like(total))
+        take = valid & ok
+        r_s = torch.where(take, diff / safe, r_s)
+        c = torch.where(take, c / safe.double(), c)
+        if without_replacement:
+            q_next = q_s.scatter(1, x, torch.where(on_i, zero, q_s.gather(1, x)))  # x off the support: q(x) is 0
+            q_next, ok_q = _normalise(q_next)
+            q_s = torch.where(valid & ok_q, q_next, q_s)
+    choice[:, k:] = alive
+    residual = (p * c.to(p.dtype)).index_copy_(1, cols, r_s)  # [M, V]
+    return choice, residual
+
+
 def rrs_rule(p, q, child_tokens, child_valid):
     return rejection_rule(p, q, child_tokens, child_valid, without_replacement=False)
 
 
 def rrs_without_replacement_rule(p, q, child_tokens, child_valid):
     return rejection_rule(p, q, child_tokens, child_valid, without_replacement=True)
+
+
+def dense_rrs_rule(p, q, child_tokens, child_valid):
+    """:func:`rrs_rule` over every column at every rank (the reference of the support path)."""
+    return rejection_rule(p, q, child_tokens, child_valid, without_replacement=False, dense=True)
+
+
+def dense_rrs_without_replacement_rule(p, q, child_tokens, child_valid):
+    """:func:`rrs_without_replacement_rule` over every column at every rank (the reference)."""
+    return rejection_rule(p, q, child_tokens, child_valid, without_replacement=True, dense=True)
 
 
 def deterministic_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
