@@ -304,6 +304,51 @@ def test_support_path_exact_law_and_equal_to_dense(name):
     assert used_support_path == len(_sparse_q_cases())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_support_path_rows_with_different_supports(dtype):
+    """One call with rows whose q's differ in support (the union still at most half of V), so a row's
+    q is zero on part of the union and each row keeps its own scale off it: equal to the dense rule
+    (float64 1e-12, float32 1e-6), with and without replacement."""
+    from treespec.verify import rules
+
+    g = torch.Generator().manual_seed(3)
+    m, v, k = 12, 40, 4
+    p = torch.softmax(2 * torch.randn(m, v, generator=g, dtype=torch.float64), dim=1)
+    p[::3, 25:] = 0.0  # every third row: no target mass off the union of supports
+    p = (p / p.sum(dim=1, keepdim=True)).to(dtype)
+    q = torch.zeros(m, v, dtype=torch.float64)
+    for i in range(m):
+        on = torch.randperm(20, generator=g)[: 2 + i % 6]  # union within the first 20 of 40 columns
+        q[i, on] = torch.rand(on.numel(), generator=g, dtype=torch.float64) + 0.05
+    q = (q / q.sum(dim=1, keepdim=True)).to(dtype)
+    tokens = torch.randint(0, 24, (m, k), generator=g)  # some children off every row's support
+    valid = torch.rand(m, k, generator=g) < 0.85
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for wor in (False, True):
+        got = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor)
+        ref = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor, dense=True)
+        for a, b in zip(got, ref):
+            assert a.dtype == dtype and torch.allclose(a, b, atol=tol, rtol=0), wor
+
+
+def test_support_path_peaked_q_no_mass_off_support_stays_finite():
+    """Regression: p one-hot on q's support and q nearly one-hot on the same token, ten children of
+    that token (float32): the scale off the support grows past float32's range; the residual must stay
+    finite and equal the dense rule's."""
+    from treespec.verify import rules
+
+    v = 64
+    p = torch.zeros(1, v); p[0, 5] = 1.0
+    q = torch.zeros(1, v); q[0, 5] = 1 - 1e-5; q[0, 6] = 1e-5
+    tokens = torch.full((1, 10), 5)
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    for wor in (False, True):
+        got = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor)
+        ref = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor, dense=True)
+        assert torch.isfinite(got[1]).all() and torch.isfinite(got[0]).all()
+        for a, b in zip(got, ref):
+            assert torch.allclose(a, b, atol=1e-6, rtol=0), wor
+
 def test_support_path_twin_dropping_the_mass_off_the_support_fails():
     """Twin: the support path told that q's support is the whole vocabulary (so the residual's part off
     the support, c * p, is lost) breaks the exact law on the same cases."""

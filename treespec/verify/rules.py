@@ -83,7 +83,7 @@ def _rejection_on_support(p: torch.Tensor, q: torch.Tensor, child_tokens: torch.
     ``[M, V]``. Row totals add ``c`` times p's mass off the support (float64 from one masked pass)."""
     m, k = child_tokens.shape
     r_s = p[:, cols]  # [M, S]
-    q_s = q[:, cols]  # [M, S]
+    q_s = q[:, cols].to(p.dtype)  # [M, S] (the dense loop would promote a q of another dtype)
     p_off = row_mass(p * (~support).to(p.dtype))  # [M, 1] float64: p's mass where every q row is zero
     c = torch.ones(m, 1, dtype=torch.float64, device=p.device)  # the residual off the support is c * p
     # each child's column in the support, and whether it is there (a valid child may have q = 0 everywhere)
@@ -113,7 +113,10 @@ def _rejection_on_support(p: torch.Tensor, q: torch.Tensor, child_tokens: torch.
             q_next, ok_q = _normalise(q_next)
             q_s = torch.where(valid & ok_q, q_next, q_s)
     choice[:, k:] = alive
-    residual = (p * c.to(p.dtype)).index_copy_(1, cols, r_s)  # [M, V]
+    # off the support: c * p, where c <= 1 / p_off (each total includes c * p_off); a row with no mass there
+    # keeps 0 (its c may have grown past the dtype's range, and 0 * inf would be NaN)
+    c_off = torch.where(p_off > 0, c, torch.zeros_like(c)).clamp(max=torch.finfo(p.dtype).max).to(p.dtype)
+    residual = (p * c_off).index_copy_(1, cols, r_s)  # [M, V]
     return choice, residual
 
 
