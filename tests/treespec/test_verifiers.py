@@ -32,7 +32,7 @@ from stats_helpers import g_test
 from treespec.drafting.laws import draw_children
 from treespec.tree import DRAFT_LAWS, TokenTree
 from treespec.verify import DEFAULT_VERIFIER, LAW_OF_VERIFIER, VERIFIER_LAWS, VERIFIER_RULES, VERIFIERS, output_law
-from treespec.verify.core import verify_tree
+from treespec.verify.core import FactoredResidual, dense_residual, residual_rows, verify_tree
 from treespec.verify.rules import _normalise, _ratio
 
 DT = torch.float64
@@ -220,7 +220,7 @@ def exact_mixture(rule, law, cases, k_max=4):
         q_rows = torch.tensor(np.array(rows_q), dtype=DT)
         tokens = torch.tensor(rows_t, dtype=torch.long)
         valid = torch.tensor(rows_valid)
-        choice, residual = rule(p_rows, q_rows, tokens, valid)
+        choice, residual = _dense(rule(p_rows, q_rows, tokens, valid))
         choices.append(choice)
         residuals.append(residual)
         law_rows = output_law(p_rows, q_rows, tokens, valid, rule)  # [R, v]
@@ -271,6 +271,11 @@ def _sparse_q_cases(seed=0, num_cases=90):
     return cases
 
 
+def _dense(out):
+    """A rule's (choice_probs, residual) with the residual as a full tensor."""
+    return out[0], dense_residual(out[1])
+
+
 @pytest.mark.parametrize("name", ["rrs", "rrs_without_replacement", "single"])
 def test_support_path_exact_law_and_equal_to_dense(name):
     """The rejection rules on q's support (one case per call, so the union of q's supports is at most
@@ -293,12 +298,12 @@ def test_support_path_exact_law_and_equal_to_dense(name):
         weights = torch.tensor([w for _, w in tuples], dtype=DT)
         mix = (weights[:, None] * output_law(pr, qr, tokens, valid, rule)).sum(dim=0)
         assert float((mix - pr[0]).abs().max()) < 1e-9, (name, p, q, n)
-        for got, ref in zip(rule(pr, qr, tokens, valid), dense(pr, qr, tokens, valid)):
+        for got, ref in zip(_dense(rule(pr, qr, tokens, valid)), dense(pr, qr, tokens, valid)):
             assert torch.allclose(got, ref, atol=1e-12, rtol=0), (name, p, q, n)
         # children the law never draws (q = 0 there, some off every row's support) and invalid slots
         odd = torch.randint(0, len(p), tokens.shape, generator=torch.Generator().manual_seed(len(tuples)))
         slots = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(1)) < 0.8
-        for got, ref in zip(rule(pr, qr, odd, slots), dense(pr, qr, odd, slots)):
+        for got, ref in zip(_dense(rule(pr, qr, odd, slots)), dense(pr, qr, odd, slots)):
             assert torch.allclose(got, ref, atol=1e-12, rtol=0), (name, p, q, n)
         used_support_path += int(2 * int((q > 0).sum()) <= len(q))
     assert used_support_path == len(_sparse_q_cases())
@@ -327,8 +332,13 @@ def test_support_path_rows_with_different_supports(dtype):
     for wor in (False, True):
         got = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor)
         ref = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor, dense=True)
-        for a, b in zip(got, ref):
+        assert isinstance(got[1], FactoredResidual) and isinstance(ref[1], torch.Tensor)
+        for a, b in zip(_dense(got), ref):
             assert a.dtype == dtype and torch.allclose(a, b, atol=tol, rtol=0), wor
+        # the rows verify_tree forms one at a time: equal to the dense rows, in any order and repeated
+        idx = torch.tensor([5, 0, 11, 5])
+        assert torch.allclose(residual_rows(got[1], idx), ref[1][idx], atol=tol, rtol=0)
+        assert torch.equal(residual_rows(ref[1], idx), ref[1][idx])
 
 
 def test_support_path_peaked_q_no_mass_off_support_stays_finite():
@@ -343,7 +353,7 @@ def test_support_path_peaked_q_no_mass_off_support_stays_finite():
     tokens = torch.full((1, 10), 5)
     valid = torch.ones(1, 10, dtype=torch.bool)
     for wor in (False, True):
-        got = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor)
+        got = _dense(rules.rejection_rule(p, q, tokens, valid, without_replacement=wor))
         ref = rules.rejection_rule(p, q, tokens, valid, without_replacement=wor, dense=True)
         assert torch.isfinite(got[1]).all() and torch.isfinite(got[0]).all()
         for a, b in zip(got, ref):
@@ -586,8 +596,8 @@ REFERENCES = {
 def _loop_vs_rule(reference, rule, p, q, xs, num_samples, seed):
     """p-value of the reference procedure's outcome counts against the rule's exact outcome law."""
     k, v = len(xs), len(p)
-    choice, residual = rule(torch.tensor(p, dtype=DT)[None], torch.tensor(q, dtype=DT)[None],
-                            torch.tensor([list(xs)]), torch.ones(1, k, dtype=torch.bool))
+    choice, residual = _dense(rule(torch.tensor(p, dtype=DT)[None], torch.tensor(q, dtype=DT)[None],
+                                   torch.tensor([list(xs)]), torch.ones(1, k, dtype=torch.bool)))
     probs = np.concatenate([choice[0, :k].numpy(), float(choice[0, k]) * residual[0].numpy()])
     rng = np.random.default_rng(seed)
     counts = np.zeros(k + v)
@@ -675,7 +685,8 @@ def composed_outcome_law(tree, target, draft, rule):
             law[u] += mass * target[u]
             return
         toks = tree.tokens[kids][None]
-        choice, residual = rule(target[u:u + 1], draft[u:u + 1], toks, torch.ones_like(toks, dtype=torch.bool))
+        choice, residual = _dense(rule(target[u:u + 1], draft[u:u + 1], toks,
+                                       torch.ones_like(toks, dtype=torch.bool)))
         for j, c in enumerate(kids):
             walk(c, mass * choice[0, j])
         law[u] += mass * choice[0, len(kids)] * residual[0]

@@ -219,6 +219,7 @@ def rule_acceptance(p: ArrayLike, q: ArrayLike, n: int, verifier: str) -> RuleAc
     import torch
 
     import treespec.verify as tv
+    from treespec.verify.core import dense_residual
 
     from ot_bounds.draft_laws import draft_tuple_law
     from ot_bounds.verifiers import VERIFIER_LAW
@@ -235,7 +236,7 @@ def rule_acceptance(p: ArrayLike, q: ArrayLike, n: int, verifier: str) -> RuleAc
     q_t = torch.as_tensor(qa, dtype=torch.float64)[None, :].expand(m, -1).contiguous()
     choice, residual = tv.VERIFIER_RULES[verifier](p_t, q_t, tuples, valid)
     choice = choice.clamp(min=0).numpy()
-    residual = residual.numpy()
+    residual = dense_residual(residual).numpy()
     probs = law.probs
     drafted = np.zeros((m, pa.size), dtype=bool)
     drafted[np.arange(m)[:, None], law.tuples] = True

@@ -7,7 +7,9 @@ distribution p, the draft distribution q and the ordered child tokens, it return
 * ``choice_probs`` ``[M, K + 1]``: the exact probability that the node's output token is child k
   (``k < K``), or that every child is rejected (column ``K``);
 * ``residual`` ``[M, V]``: the distribution the output token is drawn from when every child is
-  rejected (the *recovered* token).
+  rejected (the *recovered* token). A rule may return it as a :class:`FactoredResidual` instead
+  (the rejection rules do, on a draft's support): only the row of the node where the path stops is
+  ever drawn from, so :func:`verify_tree` forms that one row; :func:`dense_residual` forms them all.
 
 The marginal law of the output token, ``sum_k choice_probs[k] * onehot(x_k) + choice_probs[K] *
 residual``, must equal p exactly: that is what the exact-law tests enumerate. Because every node
@@ -30,11 +32,49 @@ import torch
 from ..sampling import draw
 from ..tree import TokenTree
 
+@dataclass(frozen=True)
+class FactoredResidual:
+    """Residual rows ``r = c_off * p`` off the columns ``cols`` and ``r_s`` on them.
+
+    What the rejection rules keep on a draft's support: where q is zero, ``(r - q)+ = r``, so the
+    residual there stays a multiple of p. Rows are formed on demand (:meth:`rows`), each at the
+    cost of one row of p, instead of ``[M, V]`` at once.
+    """
+
+    p: torch.Tensor  # [M, V]
+    c_off: torch.Tensor  # [M, 1] in p's dtype
+    cols: torch.Tensor  # [S] ascending column ids
+    r_s: torch.Tensor  # [M, S]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.p.shape
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The residual rows ``idx`` ``[R]`` -> ``[R, V]``."""
+        out = self.p.index_select(0, idx) * self.c_off.index_select(0, idx)  # [R, V]
+        return out.index_copy_(1, self.cols, self.r_s.index_select(0, idx))
+
+    def dense(self) -> torch.Tensor:
+        """Every row: ``[M, V]``."""
+        return (self.p * self.c_off).index_copy_(1, self.cols, self.r_s)
+
+
 # (p [M, V], q [M, V] | None, child_tokens [M, K], child_valid [M, K]) -> (choice_probs, residual)
 NodeRule = Callable[
     [torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor],
-    "tuple[torch.Tensor, torch.Tensor]",
+    "tuple[torch.Tensor, torch.Tensor | FactoredResidual]",
 ]
+
+
+def dense_residual(residual: torch.Tensor | FactoredResidual) -> torch.Tensor:
+    """A rule's residual as the full ``[M, V]`` tensor."""
+    return residual.dense() if isinstance(residual, FactoredResidual) else residual
+
+
+def residual_rows(residual: torch.Tensor | FactoredResidual, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` ``[R]`` of a rule's residual -> ``[R, V]``, forming only those rows."""
+    return residual.rows(idx) if isinstance(residual, FactoredResidual) else residual.index_select(0, idx)
 
 
 @dataclass(frozen=True)
@@ -129,8 +169,8 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
     row = residual_row[cur]
     is_bonus = row < 0
     dist = target_probs[cur] if residual.shape[0] == 0 else torch.where(
-        is_bonus, target_probs[cur], residual[row.clamp(min=0)]
-    )
+        is_bonus, target_probs[cur], residual_rows(residual, row.clamp(min=0).view(1))[0]
+    )  # [V]
     return _result(tree, cur, sample_categorical(dist, generator), is_bonus)
 
 
@@ -178,6 +218,6 @@ def output_law(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tens
     """
     choice_probs, residual = rule(p, q, child_tokens, child_valid)
     k = child_tokens.shape[1]
-    law = residual * choice_probs[:, k:k + 1]
+    law = dense_residual(residual) * choice_probs[:, k:k + 1]
     law = law.scatter_add(1, child_tokens, choice_probs[:, :k] * child_valid)
     return law

@@ -1,7 +1,9 @@
 """Node rules of the rejection-sampling family, vectorised over nodes (loop over sibling rank only).
 
 Every rule maps ``(p [M, V], q [M, V] | None, child_tokens [M, K], child_valid [M, K])`` to
-``(choice_probs [M, K + 1], residual [M, V])``; see :mod:`treespec.verify.core`.
+``(choice_probs [M, K + 1], residual [M, V])`` (the rejection rules return the residual factored,
+:class:`~treespec.verify.core.FactoredResidual`, when q lives on a small support); see
+:mod:`treespec.verify.core`.
 
 References
 ----------
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import row_mass
+from .core import FactoredResidual
 
 
 def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +54,7 @@ def rejection_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.
     """
     assert q is not None
     if not dense:
-        support = (q > 0).any(dim=0)  # [V] columns where some row of q has mass
+        support = q.amax(dim=0) > 0  # [V] columns where some row of q has mass (q >= 0)
         cols = torch.nonzero(support).flatten()  # [S] ascending
         if 0 < 2 * cols.numel() <= q.shape[1]:
             return _rejection_on_support(p, q, child_tokens, child_valid, cols, support, without_replacement)
@@ -80,11 +83,12 @@ def _rejection_on_support(p: torch.Tensor, q: torch.Tensor, child_tokens: torch.
                           without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rejection_rule` with the residual kept as ``r = r_s`` on the support columns ``cols`` ``[S]``
     and ``r = c * p`` elsewhere (``c`` ``[M, 1]``): the same arithmetic per rank on ``[M, S]`` instead of
-    ``[M, V]``. Row totals add ``c`` times p's mass off the support (float64 from one masked pass)."""
+    ``[M, V]``. Row totals add ``c`` times p's mass off the support (one matrix-vector product)."""
     m, k = child_tokens.shape
-    r_s = p[:, cols]  # [M, S]
-    q_s = q[:, cols].to(p.dtype)  # [M, S] (the dense loop would promote a q of another dtype)
-    p_off = row_mass(p * (~support).to(p.dtype))  # [M, 1] float64: p's mass where every q row is zero
+    r_s = p.index_select(1, cols)  # [M, S]
+    q_s = q.index_select(1, cols).to(p.dtype)  # [M, S] (the dense loop would promote a q of another dtype)
+    off = (~support).to(p.dtype)  # [V] 1 where every q row is zero
+    p_off = torch.mv(p, off).double()[:, None]  # [M, 1] p's mass there: a sum of non-negative terms, one read of p
     c = torch.ones(m, 1, dtype=torch.float64, device=p.device)  # the residual off the support is c * p
     # each child's column in the support, and whether it is there (a valid child may have q = 0 everywhere)
     pos = torch.searchsorted(cols, child_tokens).clamp(max=cols.numel() - 1)  # [M, K]
@@ -116,8 +120,7 @@ def _rejection_on_support(p: torch.Tensor, q: torch.Tensor, child_tokens: torch.
     # off the support: c * p, where c <= 1 / p_off (each total includes c * p_off); a row with no mass there
     # keeps 0 (its c may have grown past the dtype's range, and 0 * inf would be NaN)
     c_off = torch.where(p_off > 0, c, torch.zeros_like(c)).clamp(max=torch.finfo(p.dtype).max).to(p.dtype)
-    residual = (p * c_off).index_copy_(1, cols, r_s)  # [M, V]
-    return choice, residual
+    return choice, FactoredResidual(p, c_off, cols, r_s)  # rows formed only where a path stops
 
 
 def rrs_rule(p, q, child_tokens, child_valid):

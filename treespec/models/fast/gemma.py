@@ -49,6 +49,7 @@ from ...sampling import check_finite
 from ...tree import TokenTree
 from ..features import join_features
 from ..runner import ModelRunner, finish_forward, forward_inputs, visible_keys
+from .allocator import keep_large_allocations
 from .packed import pack_weight, packed_linear, prepack_default
 from .quant import QUANTIZE_MODES, int4_linear, quantize_int4
 from .static_cache import StaticKVCache
@@ -140,6 +141,8 @@ class FastGemmaRunner(ModelRunner):
         self.quantize = quantize
         self.kv: StaticKVCache | None = None
         super().__init__(model)  # calls reset()
+        if self.device.type == "cpu":
+            keep_large_allocations()  # logits of >= 32 nodes are > 32 MiB: no page faults on each pass
         self.refresh()
 
     # ------------------------------------------------------------------ parameters
