@@ -5,8 +5,9 @@ glibc's ``malloc`` serves a request above its mmap threshold (adjusted at run ti
 size maps new pages, and the kernel zero-fills each 4 KiB page on first touch. A target pass over
 a 32-node tree makes float32 logits of 32 x 262,144 x 4 B = 33.5 MB for Gemma-3's vocabulary (and
 the probabilities at T > 0 as many again), so from 32 nodes on every pass paid that page-fault
-toll: on an AMD EPYC (avx512_bf16, bf16 fast runner, 2 threads) a 32-node pass took 85.7 ms
-against 38.3 ms for 31 nodes, and 37.2 ms with the setting below (64 nodes: 88.8 -> 61.6 ms).
+toll. Measured on an AMD EPYC with avx512_bf16 (bf16 fast runner, 2 threads, 15 interleaved
+rounds): t(32) = 4.43 t(1) before (benchmarks/results/profile/2026-11-26-4dba31b-epyc-bf16-verify)
+and 2.50 t(1) with the setting below (.../2026-11-26-e7337b7-epyc-bf16-verify).
 
 :func:`keep_large_allocations` raises the mmap threshold (which also stops its run-time
 adjustment) and the trim threshold, so freed large blocks stay in the heap and are reused. The
