@@ -2,7 +2,8 @@
 
     python -m treespec.distill evaluate --head H --num-prompts 12 --new-tokens 48 --tau --json M
     python benchmarks/draft_card.py --head H --metrics M --corpus train-k0,train-greedy,train-sample \
-        [--run-summary ~/.cache/treespec/distill/runs/RUN/summary.json] --card treespec/assets/gemma3-270m-head.md
+        [--run-summary ~/.cache/treespec/distill/runs/RUN/summary.json] [--continues EARLIER/metrics.json] \
+        --card treespec/assets/gemma3-270m-head.md
 
 Everything in the card comes from files, nothing is typed by hand: the head's own metadata
 (architecture, training config, step), the corpus manifests under the distill cache (sources,
@@ -111,8 +112,22 @@ def corpus_content(c: dict) -> str:
     return f"prompt + the target's {opts['continuation']} continuation ({opts['new_tokens']} tokens)"
 
 
+def earlier_training(record: dict) -> str:
+    """One line on the training of the head a continued run started from, read from that head's draft
+    record (its ``metrics.json`` keeps the head's metadata and its run summary)."""
+    meta = record.get("head_metadata") or {}
+    tc, _ = train_facts({"extra": meta.get("extra", {})})
+    steps = (meta.get("extra", {}).get("summary", {}) or {}).get("step") or tc.get("steps")
+    rs = record.get("run_summary") or {}
+    return (f"{steps} steps x {tc.get('batch_size')} windows of up to {tc.get('seq_len')} positions, AdamW lr "
+            f"{tc.get('lr')} (cosine), seed {tc.get('seed')}"
+            + (f", last segment {rs['seconds_this_run'] / 60:.0f} minutes in {rs.get('precision', '?')}"
+               if "seconds_this_run" in rs else ""))
+
+
 def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summary: dict | None,
-           commit: str, history: list[tuple[str, dict]] = ()) -> str:
+           commit: str, history: list[tuple[str, dict]] = (),
+           continues: tuple[str, dict] | None = None) -> str:
     cfg, extra = meta["config"], meta["extra"]
     summary = extra.get("summary", {})
     tc, _ = train_facts(meta)
@@ -152,6 +167,9 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
         "- Signal: the target's own next-token distributions (soft labels recomputed exactly on the subset from "
         "stored last hidden states), its last hidden states (feature regression) and the corpus tokens (hard "
         "labels); `python -m treespec.distill` (see the README).",
+        *([f"- Continued training: this run started from the head of record `{continues[0]}` (commit "
+           f"{continues[1].get('commit', '?')}), trained before for {earlier_training(continues[1])}; the "
+           "steps below are this run's, on the same corpora."] if continues else []),
         f"- Steps: {summary.get('step')} x {tc.get('batch_size')} windows of up to {tc.get('seq_len')} positions, "
         f"AdamW lr {tc.get('lr')} (cosine), feature noise {tc.get('feature_noise')}, seed {tc.get('seed')}.",
         *([f"- Training-time test (EAGLE-3, arXiv 2503.01840): the head is unrolled on its own features for "
@@ -243,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                          "time and precision of its last segment; left out of the card when not given")
     ap.add_argument("--history", type=Path, nargs="*", default=[],
                     help="earlier draft records (benchmarks/results/draft/*/metrics.json) listed as history")
+    ap.add_argument("--continues", type=Path, default=None,
+                    help="the draft record (benchmarks/results/draft/*/metrics.json) of the head this run started "
+                         "from (train --init-head): the card states that head's training too")
     ap.add_argument("--card", type=Path, required=True, help="where to write the model card (e.g. treespec/assets/...md)")
     add_output_args(ap)
     args = ap.parse_args(argv)
@@ -259,19 +280,22 @@ def main(argv: list[str] | None = None) -> int:
     rec, prov = open_results("draft", args.out, allow_dirty=args.allow_dirty)
     run_summary = json.loads(args.run_summary.read_text()) if args.run_summary else None
     commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
-    history = []
-    for path in args.history:
+    def record_of(path: Path) -> tuple[str, dict]:
         earlier = json.loads(path.read_text())
         if "commit" not in earlier and (path.parent / "provenance.json").exists():
             prov_h = json.loads((path.parent / "provenance.json").read_text())
             earlier["commit"] = prov_h["commit_short"] + ("-dirty" if prov_h.get("dirty") else "")
-        history.append((path.parent.name, earlier))
-    card = render(args.head, meta, metrics, corpora, run_summary, commit, history)
+        return path.parent.name, earlier
+
+    history = [record_of(path) for path in args.history]
+    continues = record_of(args.continues) if args.continues else None
+    card = render(args.head, meta, metrics, corpora, run_summary, commit, history, continues)
     atomic_write_text(args.card, card)
     write_json(rec / "metrics.json", {"metrics": metrics, "corpora": corpora, "run_summary": run_summary,
                                       "sources": {"head": str(args.head), "metrics": str(args.metrics),
                                                   "run_summary": str(args.run_summary) if args.run_summary else None,
-                                                  "history": [str(p) for p in args.history]},
+                                                  "history": [str(p) for p in args.history],
+                                                  "continues": str(args.continues) if args.continues else None},
                                       "head_metadata": {k: meta[k] for k in ("config", "extra")}})
     atomic_write_text(rec / "card.md", card)
     finish(rec, started)

@@ -189,7 +189,7 @@ def test_llama_missing_is_a_reason_not_a_crash():
 
 
 @pytest.mark.parametrize("script", ["run", "bench_trees", "bench_ot_bounds", "draft_card", "early_exit_layers",
-                                    "study_real_model", "fault_conversion"])
+                                    "study_real_model", "fault_conversion", "head_domains"])
 def test_every_script_uses_the_common_provenance(script):
     src = (common.REPO / "benchmarks" / f"{script}.py").read_text()
     assert "add_output_args(ap)" in src and "open_results(" in src
@@ -245,6 +245,24 @@ def test_draft_card_describes_stored_continuations_depths_and_history(tmp_path):
     assert "| T=0 top-1 agreement | 0.510 | 0.420 |" in card and "| T=1 sum min(p, q) | 0.330 | 0.290 |" in card
     assert "| v1-record | 010e29c-dirty | 12 x 48 | 0.352 | 0.389 | 0.066 | float32 |" in card
     assert "Earlier heads" in card and "Earlier heads" not in render(head, head_metadata(head), metrics, [known], None, "abc1234")
+
+
+def test_draft_card_states_the_training_a_continued_head_started_from():
+    """With --continues, the card names the earlier record and that head's own training (read from the
+    record's stored head metadata and run summary); without it, no such line."""
+    from benchmarks.draft_card import head_metadata, render
+
+    rec = json.loads((common.RESULTS / "draft" / "2026-11-22-010e29c-dirty" / "metrics.json").read_text())
+    earlier = json.loads((common.RESULTS / "draft" / "2026-11-25-c3e123f" / "metrics.json").read_text())
+    earlier["commit"] = "c3e123f"
+    head = common.REPO / "treespec" / "assets" / "gemma3-270m-head.safetensors"
+    meta = head_metadata(head)
+    card = render(head, meta, rec["metrics"], rec["corpora"], None, "abc1234", (), ("2026-11-25-c3e123f", earlier))
+    steps = earlier["head_metadata"]["extra"]["summary"]["step"]
+    minutes = round(earlier["run_summary"]["seconds_this_run"] / 60)
+    assert (f"started from the head of record `2026-11-25-c3e123f` (commit c3e123f), trained before for {steps} "
+            f"steps") in card and f"last segment {minutes} minutes" in card
+    assert "Continued training" not in render(head, meta, rec["metrics"], rec["corpora"], None, "abc1234")
 
 
 def test_draft_card_main_counts_pinned_shards_and_keeps_history(tmp_path, monkeypatch):
