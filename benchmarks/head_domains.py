@@ -86,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="domains")
     add_output_args(ap)
     args = ap.parse_args(argv)
-    heads = dict(h.split("=", 1) for h in args.heads)
     sets = args.sets.split(",")
-    unknown = [s for s in sets if s not in SETS]
-    if unknown or any("=" not in h for h in args.heads):
-        raise SystemExit(f"--sets takes {sorted(SETS)}; --heads takes NAME=PATH (got {args.sets!r}, {args.heads})")
+    names = [h.split("=", 1)[0] for h in args.heads]
+    if any(s not in SETS for s in sets) or any("=" not in h for h in args.heads) or len(set(names)) < len(names):
+        raise SystemExit(f"--sets takes {sorted(SETS)}; --heads takes distinct NAME=PATH entries "
+                         f"(got {args.sets!r}, {args.heads})")
+    heads = dict(h.split("=", 1) for h in args.heads)
     started = time.time()
     out, prov = open_results("draft", args.out, allow_dirty=args.allow_dirty, tag=args.tag)
     results: dict[str, dict] = {}

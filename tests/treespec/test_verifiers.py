@@ -875,3 +875,42 @@ def test_ot_bounds_verifier_table_agrees_with_the_engine():
     for name in OT_VERIFIERS:
         assert engine_law.get(VERIFIER_LAW[name], VERIFIER_LAW[name]) == LAW_OF_VERIFIER[name], name
     assert set(engine_law.values()) <= set(DRAFT_LAWS)
+
+
+@pytest.mark.parametrize("name", ["rrs", "rrs_without_replacement"])
+def test_verify_tree_on_a_sparse_q_equals_the_dense_rule_run(name):
+    """End to end through verify_tree: with q on a small support (the factored-residual path) and the same
+    generator seed, the accepted path and the emitted token equal those of the dense rule (200 trees,
+    float64, V = 64, supports of 4-12 tokens; children drawn under the verifier's law)."""
+    from treespec.verify import rules
+
+    law = LAW_OF_VERIFIER[name]
+    dense = rules.dense_rrs_rule if law == "iid" else rules.dense_rrs_without_replacement_rule
+    rule = VERIFIER_RULES[name]
+    v, g = 64, torch.Generator().manual_seed(17)
+    stops_at_inner = 0
+    for case in range(200):
+        n = 7
+        q = torch.zeros(n, v, dtype=DT)
+        for i in range(n):
+            on = torch.randperm(v // 2, generator=g)[: 4 + case % 9]  # union within half of V
+            q[i, on] = torch.softmax(2 * torch.randn(on.numel(), generator=g, dtype=DT), dim=0)
+        p = torch.softmax(2 * torch.randn(n, v, generator=g, dtype=DT), dim=1)
+        kids = draw_children(q[0:1], 3, law, g)
+        parents, tokens = [-1], [0]
+        for j in range(3):
+            if bool(kids.valid[0, j]):
+                parents.append(0); tokens.append(int(kids.tokens[0, j]))
+        below = draw_children(q[1:2], 2, law, g)
+        for j in range(2):
+            if bool(below.valid[0, j]):
+                parents.append(1); tokens.append(int(below.tokens[0, j]))
+        tree = TokenTree.from_lists(parents, tokens, law)
+        m = tree.num_nodes
+        seed = 1000 + case
+        got = verify_tree(tree, p[:m], q[:m], torch.Generator().manual_seed(seed), rule)
+        ref = verify_tree(tree, p[:m], q[:m], torch.Generator().manual_seed(seed), dense)
+        assert (got.accepted_nodes, got.next_token, got.is_bonus) == (ref.accepted_nodes, ref.next_token,
+                                                                     ref.is_bonus), case
+        stops_at_inner += int(not got.is_bonus)
+    assert stops_at_inner > 50  # the recovered token (the factored row) is drawn in many cases

@@ -53,7 +53,7 @@ def rejection_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.
     half the vocabulary) runs every rank over all ``V`` columns, the reference it is tested against.
     """
     assert q is not None
-    if not dense:
+    if not dense and q.shape[0] > 0:
         support = q.amax(dim=0) > 0  # [V] columns where some row of q has mass (q >= 0)
         cols = torch.nonzero(support).flatten()  # [S] ascending
         if 0 < 2 * cols.numel() <= q.shape[1]:
@@ -87,8 +87,9 @@ def _rejection_on_support(p: torch.Tensor, q: torch.Tensor, child_tokens: torch.
     m, k = child_tokens.shape
     r_s = p.index_select(1, cols)  # [M, S]
     q_s = q.index_select(1, cols).to(p.dtype)  # [M, S] (the dense loop would promote a q of another dtype)
-    off = (~support).to(p.dtype)  # [V] 1 where every q row is zero
-    p_off = torch.mv(p, off).double()[:, None]  # [M, 1] p's mass there: a sum of non-negative terms, one read of p
+    wide = torch.promote_types(p.dtype, torch.float32)  # a bf16 / fp16 p is summed in float32
+    off = (~support).to(wide)  # [V] 1 where every q row is zero
+    p_off = torch.mv(p.to(wide), off).double()[:, None]  # [M, 1] p's mass there: non-negative terms, one read of p
     c = torch.ones(m, 1, dtype=torch.float64, device=p.device)  # the residual off the support is c * p
     # each child's column in the support, and whether it is there (a valid child may have q = 0 everywhere)
     pos = torch.searchsorted(cols, child_tokens).clamp(max=cols.numel() - 1)  # [M, K]

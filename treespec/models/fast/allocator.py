@@ -13,13 +13,17 @@ and 2.50 t(1) with the setting below (.../2026-11-26-e7337b7-epyc-bf16-verify).
 adjustment) and the trim threshold, so freed large blocks stay in the heap and are reused. The
 price is resident memory: the process keeps its peak heap instead of returning it to the kernel.
 It changes process-wide ``malloc`` settings; the fast runner applies it on CPU (once a process),
-and any process can call it (or set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``).
+and any process can call it (or set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``). A process
+that must return freed memory to the system (a long-lived server sharing its host) opts out with
+``TREESPEC_KEEP_LARGE_ALLOCATIONS=0``. A glibc that refuses the threshold (older releases cap it at
+32 MiB) is left as it was.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 # mallopt parameters (glibc's malloc.h)
@@ -49,21 +53,22 @@ def keep_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
     """Serve allocations up to ``threshold`` bytes from the heap and keep freed memory there.
 
     Returns True when the setting is in force (glibc on Linux), False where it does not apply
-    (another platform or C library). Idempotent: the first call decides; later calls return its
-    answer. ``threshold`` must be positive and fit a C ``int``.
+    (another platform or C library, a glibc that refuses the threshold, or
+    ``TREESPEC_KEEP_LARGE_ALLOCATIONS=0``). Idempotent: the first call decides; later calls return
+    its answer. ``threshold`` must be positive and fit a C ``int``.
     """
     global _applied
-    if _applied is not None:
-        return _applied
     if not 0 < threshold < 2**31:
         raise ValueError(f"threshold must be in (0, 2**31) bytes, got {threshold}")
+    if _applied is not None:
+        return _applied
     libc = _libc()
-    if libc is None:
+    if libc is None or os.environ.get("TREESPEC_KEEP_LARGE_ALLOCATIONS", "1") == "0":
         _applied = False
         return False
-    ok_mmap = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold))
-    ok_trim = libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1))
-    _applied = bool(ok_mmap and ok_trim)
+    # the trim threshold only once the mmap threshold is taken: a refused call leaves malloc as it was
+    _applied = bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold))) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1)))
     return _applied
 
 
