@@ -29,6 +29,12 @@
 # STEPS=2400 on two threads; that session's CPU (an Intel Xeon with avx512_bf16 but no AMX) ran 5.1 s a step,
 # against 2.2 s on the AMD EPYC, so it was resumed from step 200 (the end of warmup, before which the learning
 # rate does not depend on STEPS) with STEPS=1000. The head file records its train_config; its card shows it.
+# Shipped since 2026-11-26: that head continued for 1,000 steps on the same data (card: T=0 top-1 0.402 -> 0.461 on
+# Spec-Bench), 24 minutes on two threads of an AMD EPYC with avx512_bf16, exported in float16:
+#   STAGE=train RUN=head-v2-cont INIT=<the head above> SEED=1 LR=0.0005 WARMUP=50 STEPS=1000 PIN=21,21 THREADS=2 \
+#     recipes/head_v2_train.sh
+#   python -m treespec.distill export --run head-v2-cont --out treespec/assets/gemma3-270m-head.safetensors
+# (the head above is the file committed before 0f2db97: git show 4dba31b:treespec/assets/gemma3-270m-head.safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
