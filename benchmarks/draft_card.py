@@ -125,6 +125,16 @@ def earlier_training(record: dict) -> str:
                if "seconds_this_run" in rs else ""))
 
 
+def _step_how(cost: dict) -> str:
+    """How the step was timed, where the record says (records before 2026-11-26 timed the eager runner and
+    the head as loaded)."""
+    if "target_runner" not in cost:
+        return "; the eager target runner, the head as loaded"
+    return (f"; target: {cost['target_runner']} (the eager runner: {cost['eager_target_step_s'] * 1e3:.1f} ms, "
+            f"fraction {cost['eager_fraction']:.3f}); head: {cost['head_dtype'].removeprefix('torch.')}"
+            f"{', packed' if cost['head_packed'] else ''}, as the CLI drafts")
+
+
 def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summary: dict | None,
            commit: str, history: list[tuple[str, dict]] = (),
            continues: tuple[str, dict] | None = None) -> str:
@@ -210,7 +220,7 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
         f"{goal('sum_min_pq_T1', metrics['sum_min_pq_T1'])}.",
         f"- One head step (one token, with cache) / one target step: {goal('step_fraction', cost['fraction'], True)}"
         f" ({cost['head_step_s'] * 1e3:.1f} ms vs {cost['target_step_s'] * 1e3:.1f} ms, {metrics['dtype']}, "
-        f"{metrics['threads']} thread).",
+        f"{metrics['threads']} thread{_step_how(cost)}).",
     ]
     by_depth = metrics.get("top1_agreement_T0_by_depth")
     if by_depth:

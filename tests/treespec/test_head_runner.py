@@ -114,6 +114,55 @@ def test_depth_logits_match_the_runner_along_a_path(target, trained):  # noqa: F
         assert torch.allclose(out, ref, atol=1e-4), depth
 
 
+def _path_reference(head, target, prefix: list[int], tree: TokenTree, node: int) -> torch.Tensor:
+    """The slow reference of one node's logits: no cache, no tree mask. The node's logits are the head's
+    depth-(d + 1) logits at the end of ``prefix`` + the node's root path (:func:`head_depth_logits`, one
+    parallel pass per depth over that sequence alone); d = the node's depth."""
+    path = [int(tree.tokens[u]) for u in tree.root_path(node)]
+    d = len(path) - 1
+    _, per_depth = head_depth_logits(head, target, torch.tensor([prefix + path]), d + 1)
+    return per_depth[d][len(prefix) + d - 1]
+
+
+@pytest.mark.parametrize("prefix_len", [9, 70])  # 70: the cache outgrows its first buffer (64 entries)
+def test_runner_equals_the_per_path_reference_on_branching_trees_across_rounds(target, trained, prefix_len):  # noqa: F811
+    """Branching trees fed in uneven levels, a commit, and a second round that starts with a chain of the
+    accepted tokens: every node's logits equal :func:`_path_reference` (float32 head, atol 1e-4). A runner
+    whose tree mask let a node see its siblings, or whose commit kept a dropped entry, fails it."""
+    from treespec.models.features import model_features
+
+    _, head, _ = trained
+    text = [t for p in prompts() for t in p]
+    prefix, root1 = text[:prefix_len], text[prefix_len]
+    layers = head.cfg.feature_layers
+    runner = HeadRunner(head)
+
+    def features(ids: list[int]) -> torch.Tensor:
+        return model_features(target, torch.tensor([ids]), layers=layers)[0]  # [len, F]
+
+    # round 1: root at position prefix_len; nodes fed as [0], [1, 2], [3, 4, 5], [6]
+    tree1 = TokenTree.from_lists([-1, 0, 0, 1, 1, 2, 3], [root1, 7, 11, 13, 17, 19, 23], "iid")
+    runner.observe(DraftState(prefix + [root1], 4, features(prefix)))
+    for level, chain in (([0], torch.tensor(prefix)), ([1, 2], None), ([3, 4, 5], None), ([6], None)):
+        out = runner.forward(tree1, torch.tensor(level), chain)["logits"]  # [len(level), V]
+        for row, u in enumerate(level):
+            assert torch.allclose(out[row], _path_reference(head, target, prefix, tree1, u), atol=1e-4), (1, u)
+    # the target accepts 0 -> 1 -> 3 and emits a bonus token: the next root sits 3 positions further
+    runner.commit([0, 1, 3])
+    committed = prefix + [root1, 7, 13]
+    root2 = text[prefix_len + 1]
+    new_hidden = features(committed)[prefix_len:]  # the states at the 3 newly committed positions
+    runner.observe(DraftState(committed + [root2], 4, new_hidden))
+    tree2 = TokenTree.from_lists([-1, 0, 0, 1, 2, 2], [root2, 29, 31, 37, 41, 43], "without_replacement")
+    chain2 = torch.tensor(committed[runner.length:])
+    assert chain2.tolist() == [7, 13]  # the root of round 1 was kept, its drafted nodes were not
+    for level, chain in (([0], chain2), ([1, 2], None), ([3, 4, 5], None)):
+        out = runner.forward(tree2, torch.tensor(level), chain, need_logits="subset")
+        for row, u in enumerate(level):
+            ref = _path_reference(head, target, committed, tree2, u)[head.vocab_ids]
+            assert torch.allclose(out["logits"][row], ref, atol=1e-4), (2, u)
+
+
 def test_depth_calibration_and_depth_aware_sequoia(target, trained):  # noqa: F811
     _, head, _ = trained
     vec = measure_acceptance_vector(target, head, [p[:24] for p in prompts()[:4]], SamplingConfig(0.0),

@@ -7,7 +7,7 @@
 both teacher-forced from the target's true hidden states, at the head's first level and (``depth_metrics``)
 at deeper tree levels along the same text.
 * ``step_cost``: one head step (one token, with cache, subset logits) / one target step (one token,
-  with cache, full logits), median wall time on this machine.
+  with cache, full logits, the engine's runner), median wall time on this machine.
 * ``tau`` (optional): tokens per target pass of a chain in the engine at T=0 and T=1.
 """
 
@@ -109,44 +109,55 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
 
 @torch.no_grad()
 def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dict:
-    """Median seconds of one target step and one head step (one token each, with cache).
+    """Median seconds of one target step and one head step (one token each, with cache), as the engine runs them.
 
-    The head step is what :class:`~treespec.drafting.head_runner.HeadRunner` does for a new root:
-    take the target's last hidden state, one entry through the head, the root's logits, keep it.
+    The target step is the engine's runner of ``model`` (the fast runner where it covers the model,
+    :func:`~treespec.models.fast.make_runner`; the eager Hugging Face runner is timed beside it, as
+    ``eager_target_step_s``). The head step is what :class:`~treespec.drafting.head_runner.HeadRunner`
+    does for a new root: take the target's last hidden state, one entry through the head, the root's
+    logits on the head's subset (what the tree builders ask for), keep it. Pass the head as it drafts
+    (``head.for_inference(dtype)`` is the CLI's path: bf16 and packed on a CPU with native bf16).
+    Target and head steps alternate, so both see the same state of the machine.
     """
     from ..drafting.base import DraftState
     from ..drafting.head_runner import HeadRunner
+    from ..models.fast import make_runner
     from ..models.runner import ModelRunner
     from ..tree import TokenTree
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, head.cfg.target_vocab_size, (context + reps + 1,), generator=g)
-    runner = ModelRunner(model)
     layers = head.cfg.feature_layers
-    hidden = runner.forward(None, None, ids[:context], need_hidden=True, feature_layers=layers)["hidden"]  # [context, F]
     drafter = HeadRunner(head)
 
     def head_step(root: int, new_hidden: torch.Tensor, chain: torch.Tensor | None) -> None:
         """Root at position ``root``; ``new_hidden`` ends with the target's state at ``root - 1``."""
         drafter.observe(DraftState(ids[: root + 1].tolist(), 1, new_hidden))
         tree = TokenTree.from_lists([-1], [int(ids[root])], "deterministic")
-        drafter.forward(tree, torch.zeros(1, dtype=torch.long), chain)
+        drafter.forward(tree, torch.zeros(1, dtype=torch.long), chain, need_logits="subset")
         drafter.commit([0])
 
-    head_step(context - 1, hidden[:-1], ids[: context - 1])
-    last = hidden[-1:]  # [1, H] the target's state at the position before the next root
-    t_target, t_head = [], []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        out = runner.forward(None, None, ids[context + i:context + i + 1], need_hidden=True, feature_layers=layers)
-        t1 = time.perf_counter()
-        head_step(context + i, last, None)
-        t2 = time.perf_counter()
-        last = out["hidden"]
-        t_target.append(t1 - t0)
-        t_head.append(t2 - t1)
-    tt, th = statistics.median(t_target), statistics.median(t_head)
-    return {"target_step_s": tt, "head_step_s": th, "fraction": th / tt}
+    result = {}
+    for name, runner in (("eager", ModelRunner(model)), ("engine", make_runner(model, fast=True))):
+        drafter.reset()
+        hidden = runner.forward(None, None, ids[:context], need_hidden=True, feature_layers=layers)["hidden"]  # [context, F]
+        head_step(context - 1, hidden[:-1], ids[: context - 1])
+        last = hidden[-1:]  # [1, F] the target's state at the position before the next root
+        t_target, t_head = [], []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            out = runner.forward(None, None, ids[context + i:context + i + 1], need_hidden=True, feature_layers=layers)
+            t1 = time.perf_counter()
+            head_step(context + i, last, None)
+            t2 = time.perf_counter()
+            last = out["hidden"]
+            t_target.append(t1 - t0)
+            t_head.append(t2 - t1)
+        result[name] = (statistics.median(t_target), statistics.median(t_head), type(runner).__name__)
+    (te, _, _), (tt, th, kind) = result["eager"], result["engine"]
+    return {"target_step_s": tt, "head_step_s": th, "fraction": th / tt, "target_runner": kind,
+            "eager_target_step_s": te, "eager_fraction": th / te,
+            "head_dtype": str(head.hidden_norm.weight.dtype), "head_packed": head._rows_packed is not None}
 
 
 @torch.no_grad()

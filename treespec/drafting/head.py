@@ -29,6 +29,7 @@ grows its trees with it (e.g. ``ShapeDrafter(head, TreeShape.widths((2, 1)), "ii
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -84,10 +85,17 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(d: int, theta: float, device: torch.device) -> torch.Tensor:
+    """``[D/2]`` float32 rotary frequencies (made once per size and device: a drafting step is short)."""
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whichever mode asked first
+        return 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+
+
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (half-split convention) on ``x`` ``[..., T, D]`` with ``positions`` ``[..., T]``."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [D/2]
+    inv = _inverse_frequencies(d, theta, x.device)  # [D/2]
     ang = positions.float()[..., None] * inv  # [..., T, D/2]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]

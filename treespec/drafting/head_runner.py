@@ -61,17 +61,35 @@ class HeadRunner:
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        self.keys: torch.Tensor | None = None  # [1, heads, entries, head_dim]
-        self.values: torch.Tensor | None = None
+        cfg = self.head.cfg
+        # the head's KV cache, float32 (measured: one-query attention over a float32 cache is several times
+        # cheaper than over bf16 on CPU); entries [0, entries) are committed, then one per uncommitted slot
+        self._kv = torch.zeros(2, cfg.num_heads, 0, cfg.head_dim, device=self.device)  # [2, heads, capacity, hd]
         self.entries = 0  # committed cache entries
         self.length = 0  # committed tokens covered (position 0 has no entry)
         self.slots: list[int] = []  # tree node of each uncommitted entry, in order
-        self.features: torch.Tensor | None = None  # [nodes, H] output feature of each fed tree node
-        self.fed: torch.Tensor | None = None  # [nodes] bool
+        self._features = torch.zeros(0, cfg.hidden_size, device=self.device)  # [capacity, H] fed nodes' outputs
+        self._fed: set[int] = set()  # tree nodes fed so far (their rows of _features are valid)
         self.tree: TokenTree | None = None
         self.root_position = 0
         self.hidden: torch.Tensor | None = None  # [rows, F] target features (F = head.cfg.feature_width)
         self.hidden_first = 0  # position of hidden row 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[1, heads, entries + len(slots), head_dim]`` the cached keys (a view)."""
+        return self._kv[0:1, :, : self.entries + len(self.slots)]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._kv[1:2, :, : self.entries + len(self.slots)]
+
+    def _reserve(self, total: int) -> None:
+        """Room for ``total`` cache entries (capacity doubles: no per-step allocation)."""
+        if total > self._kv.shape[2]:
+            grown = self._kv.new_zeros(2, self._kv.shape[1], max(total, 2 * self._kv.shape[2], 64), self._kv.shape[3])
+            grown[:, :, : self._kv.shape[2]] = self._kv
+            self._kv = grown
 
     def observe(self, state: DraftState) -> None:
         """Take the target's hidden states of the newly committed positions (start of a proposal).
@@ -97,16 +115,12 @@ class HeadRunner:
             hid, first = torch.cat([self.hidden[-1:], hid]), first - 1
         self.hidden, self.hidden_first = hid, first
 
-    def _hidden_at(self, positions: torch.Tensor) -> torch.Tensor:
-        rows = positions - self.hidden_first
-        if self.hidden is None or bool((rows < 0).any()) or bool((rows >= self.hidden.shape[0]).any()):
+    def _hidden_rows(self, start: int, stop: int) -> torch.Tensor:
+        """The target features at positions ``start .. stop - 1`` (bounds checked on host integers)."""
+        lo, hi = start - self.hidden_first, stop - self.hidden_first
+        if self.hidden is None or lo < 0 or hi > self.hidden.shape[0]:
             raise RuntimeError("the target hidden state of a fed position is missing (call observe() first)")
-        return self.hidden[rows]
-
-    def _fed_at(self, nodes: torch.Tensor) -> torch.Tensor:
-        inside = nodes < self.fed.shape[0]
-        return inside & self.fed[nodes.clamp(max=max(self.fed.shape[0] - 1, 0))] if self.fed.shape[0] \
-            else torch.zeros_like(inside)
+        return self.hidden[lo:hi]
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -117,71 +131,66 @@ class HeadRunner:
         ``need_logits="subset"``: ``logits`` ``[n, |S|]`` on the head's vocabulary subset and
         ``vocab_ids`` ``[|S|]`` (what the tree builders ask for: no full-vocabulary rows per level).
         A node's parent must have been fed by an earlier call (the head reads its output feature).
+
+        One step reads every head weight once; the rest is kept small: the cache and the node
+        features live in buffers that grow by doubling, the attention mask is built only where some
+        entry must not see another, and the bookkeeping runs on host integers (one transfer of the
+        nodes' indices and parents per call).
         """
         device, head = self.device, self.head
-        base = self.length
+        base, used = self.length, self.entries + len(self.slots)
         m, n = start_forward(self, tree, nodes, chain)
+        m_entries = m - int(base == 0) if m else 0  # the chain's entries: positions >= 1 only
         inputs, toks, pos = [], [], []
-        # chain: entries for positions >= 1, each from the true hidden state one position back
-        chain_pos = torch.arange(base, base + m, device=device)
-        keep = chain_pos >= 1
-        m_entries = int(keep.sum())
-        if m_entries:
-            cpos = chain_pos[keep]
-            inputs.append(head.target_input(self._hidden_at(cpos - 1)))
-            toks.append(chain.to(device)[keep])
-            pos.append(cpos)
+        if m_entries:  # each from the true hidden state one position back
+            first = base + m - m_entries
+            inputs.append(head.target_input(self._hidden_rows(first - 1, base + m - 1)).float())
+            toks.append(chain.to(device)[m - m_entries:])
+            pos.append(torch.arange(first, base + m, device=device))
         if n:
-            node_list = nodes.tolist()
-            parents = tree.parents[nodes]  # [n]
-            is_root = parents < 0
-            par = parents.clamp(min=0)
-            if self.features is None:
-                self.features = torch.zeros(0, head.cfg.hidden_size, device=device)
-                self.fed = torch.zeros(0, dtype=torch.bool, device=device)
-            if bool((~is_root & ~self._fed_at(par)).any()):
+            node_list, parent_list = torch.stack([nodes.to(tree.parents.device), tree.parents[nodes]]).tolist()
+            roots = [p < 0 for p in parent_list]
+            if any(not r and p not in self._fed for r, p in zip(roots, parent_list)):
                 raise RuntimeError("the head drafts level by level: a node's parent must be fed by an earlier call")
-            if self.root_position == 0:  # no hidden state precedes position 0: zeros stand in (a guess;
-                root_hidden = torch.zeros(1, head.cfg.hidden_size, device=device)  # never committed)
+            if any(roots):
+                if self.root_position == 0:  # no hidden state precedes position 0: zeros stand in (a guess;
+                    root_hidden = torch.zeros(1, head.cfg.hidden_size, device=device)  # never committed)
+                else:
+                    root_hidden = head.target_input(self._hidden_rows(self.root_position - 1,
+                                                                      self.root_position)).float()  # [1, H]
+            if all(roots):
+                inputs.append(root_hidden.expand(n, -1))
             else:
-                root_hidden = head.target_input(self._hidden_at(torch.tensor([self.root_position - 1],
-                                                                             device=device)))  # [1, H]
-            known = self.features[par.clamp(max=max(self.features.shape[0] - 1, 0))] if self.features.shape[0] \
-                else root_hidden.expand(n, -1)
-            inputs.append(torch.where(is_root[:, None], root_hidden.float(), known.float()))
-            toks.append(tree.tokens[nodes])
-            pos.append(tree.depths[nodes] + self.root_position)
+                known = self._features[torch.tensor(parent_list, device=device).clamp_(min=0)]  # [n, H]
+                inputs.append(torch.where(torch.tensor(roots, device=device)[:, None], root_hidden, known)
+                              if any(roots) else known)
+            toks.append(tree.tokens[nodes].to(device))
+            pos.append(tree.depths[nodes].to(device) + self.root_position)
         new = m_entries + n
         if new:
-            hidden = torch.cat(inputs).float()  # [new, H]
-            x = head.inputs(hidden, torch.cat(toks))[None]  # [1, new, H]
-            q, k, v = head.layer.qkv_heads(x, torch.cat(pos)[None])
-            keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-            values = v if self.values is None else torch.cat([self.values, v], dim=2)
-            visible = torch.zeros(new, keys.shape[2], dtype=torch.bool, device=device)
-            visible[:, : self.entries] = True
-            if m_entries:
-                visible[:m_entries, self.entries: self.entries + m_entries] = torch.ones(
-                    m_entries, m_entries, dtype=torch.bool, device=device).tril()
-                visible[m_entries:, self.entries: self.entries + m_entries] = True
-            if n:
-                key_nodes = torch.tensor(self.slots + node_list, dtype=torch.long, device=device)
-                visible[m_entries:, self.entries + m_entries:] = self.tree.ancestor_mask[nodes][:, key_nodes]
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None])
-            out = head.out_norm(head.layer.finish(x, att))[0]  # [new, H]
-            self.keys, self.values = keys, values
+            hidden = inputs[0] if len(inputs) == 1 else torch.cat(inputs)  # [new, H]
+            x = head.inputs(hidden, toks[0] if len(toks) == 1 else torch.cat(toks))[None]  # [1, new, H]
+            q, k, v = head.layer.qkv_heads(x, (pos[0] if len(pos) == 1 else torch.cat(pos))[None])
+            total = used + new
+            self._reserve(total)
+            self._kv[0, :, used:total] = k[0]
+            self._kv[1, :, used:total] = v[0]
+            mask = self._mask(tree, nodes, node_list if n else [], m_entries, used, total)
+            att = F.scaled_dot_product_attention(q.float(), self._kv[0:1, :, :total], self._kv[1:2, :, :total],
+                                                 attn_mask=mask)
+            out = head.out_norm(head.layer.finish(x, att.to(x.dtype)))[0]  # [new, H]
         self.entries += m_entries
         self.length = base + m
         result: dict[str, torch.Tensor] = {}
         if n:
             node_out = out[m_entries:]  # [n, H]
-            size = max(tree.num_nodes, self.features.shape[0])
-            if size > self.features.shape[0]:  # grow the per-node tables to the tree
-                grow = size - self.features.shape[0]
-                self.features = torch.cat([self.features, self.features.new_zeros(grow, self.features.shape[1])])
-                self.fed = torch.cat([self.fed, self.fed.new_zeros(grow)])
-            self.features[nodes] = node_out.float()
-            self.fed[nodes] = True
+            if tree.num_nodes > self._features.shape[0]:  # grow the per-node table to the tree
+                grown = self._features.new_zeros(max(tree.num_nodes, 2 * self._features.shape[0], 16),
+                                                 self._features.shape[1])
+                grown[: self._features.shape[0]] = self._features
+                self._features = grown
+            self._features[nodes.to(device)] = node_out.float()
+            self._fed.update(node_list)
             self.slots.extend(node_list)
             if need_logits == "subset":
                 result["logits"] = head.logits(node_out)  # [n, |S|]
@@ -193,6 +202,27 @@ class HeadRunner:
             if need_hidden:
                 result["hidden"] = node_out
         return result
+
+    def _mask(self, tree: TokenTree | None, nodes: torch.Tensor | None, node_list: list[int], m_entries: int,
+              used: int, total: int) -> torch.Tensor | None:
+        """``[1, 1, new, total]`` bool attention mask of the new entries, or None where each sees all.
+
+        Every new entry sees the committed entries; a chain entry sees the chain up to itself; a node
+        sees the chain and, among the tree's entries, itself and its ancestors.
+        """
+        n = len(node_list)  # the new entries: the chain at [used, used + m_entries), then the nodes
+        chain_causal = m_entries > 1 or (m_entries > 0 and n > 0)
+        tree_restricted = n > 1 or (n > 0 and len(self.slots) > 0)
+        if not chain_causal and not tree_restricted:
+            return None
+        visible = torch.ones(m_entries + n, total, dtype=torch.bool, device=self.device)
+        if m_entries:  # (a chain never follows uncommitted nodes: used == committed here)
+            visible[:m_entries, used:].tril_()
+        if tree_restricted:  # the tree's entries: the earlier slots (or, after a chain, none), then these nodes
+            key_nodes = torch.tensor(self.slots + node_list, dtype=torch.long, device=tree.ancestor_mask.device)
+            visible[m_entries:, total - len(key_nodes):] = \
+                tree.ancestor_mask[nodes.to(key_nodes.device)][:, key_nodes].to(self.device)
+        return visible[None, None]
 
     @torch.no_grad()
     def rebuild(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -211,7 +241,9 @@ class HeadRunner:
         positions = torch.arange(1, n + 1, device=self.device)
         x = self.head.inputs(self.head.target_input(hidden[:n].to(self.device)),
                              tokens[1:n + 1].to(self.device))[None]  # [1, n, H]
-        _, self.keys, self.values = self.head.layer.qkv_heads(x, positions[None])  # [1, nh, n, hd] each
+        _, k, v = self.head.layer.qkv_heads(x, positions[None])  # [1, nh, n, hd] each
+        self._reserve(n)
+        self._kv[0, :, :n], self._kv[1, :, :n] = k[0], v[0]
 
     # ------------------------------------------------------------------ cache commit
     def commit(self, nodes: list[int]) -> None:
@@ -223,12 +255,9 @@ class HeadRunner:
         keep_root = bool(nodes) and nodes[0] == 0 and 0 in self.slots and self.root_position >= 1
         if keep_root and self.slots[0] != 0:
             raise RuntimeError("the root must be the first tree entry")
-        kept = self.entries + int(keep_root)
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :kept], self.values[:, :, :kept]
-        self.entries = kept
+        self.entries += int(keep_root)  # the dropped entries are overwritten by the next call
         self.length += int(keep_root)
-        self.slots, self.features, self.fed, self.tree = [], None, None, None
+        self.slots, self._fed, self.tree = [], set(), None
 
 
 def head_depth_logits(head: EagleHead, target, ids: torch.Tensor, depths: int
