@@ -54,6 +54,10 @@ def quantised_agreement(target, quantize: str, rows: int = 6, tokens: int = 200)
     return {"positions": n, "top1_agreement": agree / n, "mean_kl_nats": kl / n, "source": str(CORPUS.name)}
 
 
+#: rows of the product that measures the machine's arithmetic rate (enough to be compute-bound)
+PEAK_ROWS = 512
+
+
 @torch.no_grad()
 def component_times(target, quantize: str | None = None, sizes: tuple[int, ...] = (1, 16), rounds: int = 9,
                     prefix: int = 128) -> dict:
@@ -93,13 +97,23 @@ def component_times(target, quantize: str | None = None, sizes: tuple[int, ...] 
                 t = timed(fn)
                 if r:
                     parts[(n, part)].append(t)
+    # the compute reference: the same LM-head product on PEAK_ROWS rows, where it is bound by arithmetic, not
+    # by reading the weight; at that rate, n tokens' matrix products (every linear weight, LM head included)
+    # cannot take less than 2 n P / rate: a floor under t(n) besides the streaming time
+    big = torch.randn(PEAK_ROWS, hidden_size, dtype=runner.dtype)
+    peak = [timed(lambda: runner.linear(big, runner.lm_head_weight)) for _ in range(3)]
+    peak_gflops = 2 * PEAK_ROWS * vocab * hidden_size / statistics.median(peak) / 1e9
+    matmul_params = vocab * hidden_size + sum(p.numel() for name, p in runner.model.named_parameters()
+                                              if p.dim() == 2 and "embed" not in name and "lm_head" not in name)
     out = {}
     for n in sizes:
         med = {part: statistics.median(parts[(n, part)]) * 1000 for part in ("pass", "body", "lm_head")}
         med["rest"] = med["pass"] - med["body"] - med["lm_head"]
         med["lm_head_gflops"] = 2 * n * vocab * hidden_size / (med["lm_head"] / 1000) / 1e9
+        med["matmul_floor"] = 2 * n * matmul_params / (peak_gflops * 1e9) * 1000
         out[str(n)] = med
-    return {"rounds": rounds, "prefix": prefix, "quantize": quantize, "ms": out}
+    return {"rounds": rounds, "prefix": prefix, "quantize": quantize, "ms": out, "peak_rows": PEAK_ROWS,
+            "peak_gflops": peak_gflops, "matmul_params": matmul_params}
 
 
 @torch.no_grad()
@@ -229,9 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"mean KL {q['mean_kl_nats']:.3f} nats"]
     for name, comp in meta.get("components", {}).items():
         lines += ["", f"## Where a fast-runner pass goes ({name}; medians of {comp['rounds']} interleaved rounds, ms)", "",
-                  "| n | pass | body (layers) | LM head | rest | LM head GFLOP/s |", "|---|---|---|---|---|---|"]
+                  f"Compute reference: the LM-head product on {comp['peak_rows']} rows runs at "
+                  f"{comp['peak_gflops']:.0f} GFLOP/s; at that rate the matrix products of n tokens "
+                  f"({comp['matmul_params'] / 1e6:.0f}M weights, LM head included) take at least the floor below.", "",
+                  "| n | pass | body (layers) | LM head | rest | LM head GFLOP/s | matmul floor |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {n} | {c['pass']:.1f} | {c['body']:.1f} | {c['lm_head']:.1f} | {c['rest']:.1f} | "
-                  f"{c['lm_head_gflops']:.0f} |" for n, c in comp["ms"].items()]
+                  f"{c['lm_head_gflops']:.0f} | {c['matmul_floor']:.1f} |" for n, c in comp["ms"].items()]
     if "verification" in meta:
         v = meta["verification"]
         lines += ["", f"## A tree at T=1 besides its pass (fast runner; the root with {v['width']} children, then a "

@@ -119,6 +119,11 @@ def test_profile_components_add_up(dtype):
         assert min(c["pass"], c["body"], c["lm_head"]) > 0
         assert c["rest"] == pytest.approx(c["pass"] - c["body"] - c["lm_head"])
         assert c["lm_head_gflops"] == pytest.approx(2 * int(n) * 64 * 32 / (c["lm_head"] / 1000) / 1e9, rel=1e-9)
+        # the floor: n tokens x every linear weight (the 2 decoder layers' and the 64 x 32 LM head) at the peak rate
+        layer_weights = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "layers" in name)
+        assert comp["matmul_params"] == 64 * 32 + layer_weights
+        assert c["matmul_floor"] == pytest.approx(2 * int(n) * comp["matmul_params"] / comp["peak_gflops"] / 1e6)
+    assert comp["peak_gflops"] > 0
 
 
 def test_profile_verification_times_measure_every_part():
