@@ -23,7 +23,11 @@ after a one-token prompt, is drafted from a zero vector and its root entry is no
 
 Costs: one head forward per call (one decoder layer over the new entries plus the
 ``|S|``-row output projection for the node rows only); logits are returned on the full
-vocabulary (-inf outside the head's subset: q = 0 there).
+vocabulary (-inf outside the head's subset: q = 0 there), or on the subset alone when the builder
+asks (``need_logits="subset"``). A call reads every head weight once; the rest is kept small (the KV
+cache and the node features live in float32 buffers that grow by doubling, no mask is built where
+every new entry sees every cached one, bookkeeping runs on host integers). Tested node by node
+against the per-path reference (:func:`head_depth_logits` on the node's own root path).
 """
 
 from __future__ import annotations
