@@ -35,6 +35,14 @@
 #     recipes/head_v2_train.sh
 #   python -m treespec.distill export --run head-v2-cont --out treespec/assets/gemma3-270m-head.safetensors
 # (the head above is the file committed before 0f2db97: git show 4dba31b:treespec/assets/gemma3-270m-head.safetensors).
+# Shipped since 2026-11-26 (later): that head continued for 1,200 more steps on all 47 greedy shards (stage 2 of
+# chunks 21-46 built first, ~45 s a shard on one core) and the 21 sampled ones, 2.78M positions (card: T=0 top-1
+# 0.461 -> 0.531), 28 minutes on two threads of the same AMD EPYC:
+#   STAGE=corpus recipes/head_v2_train.sh   (the greedy corpus only needs it: its chunks 21-46)
+#   STAGE=train RUN=head-v2-cont2 INIT=<the continued head above> SEED=2 LR=0.0005 WARMUP=50 STEPS=1200 PIN=47,21 \
+#     THREADS=2 recipes/head_v2_train.sh
+#   python -m treespec.distill export --run head-v2-cont2 --out treespec/assets/gemma3-270m-head.safetensors
+# (the continued head is the file committed before this one: git show 9877c69:treespec/assets/gemma3-270m-head.safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
