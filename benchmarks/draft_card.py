@@ -125,6 +125,20 @@ def earlier_training(record: dict) -> str:
                if "seconds_this_run" in rs else ""))
 
 
+def corpora_change(earlier: dict, corpora: list[dict]) -> str:
+    """How this run's data differs from the data of the run it continued (each record lists its corpora and
+    the shards it read)."""
+    def reads(entries: list[dict]) -> dict:
+        return {c["name"]: c.get("shards_used") for c in entries}
+
+    before, now = reads(earlier.get("corpora", [])), reads(corpora)
+    if before == now:
+        return "on the same corpora"
+    changed = [f"{name}: {before.get(name) or 'none'} -> {now.get(name) or 'none'} shards"
+               for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)]
+    return "on more or other data than the earlier run read (" + "; ".join(changed) + ")"
+
+
 def _step_how(cost: dict) -> str:
     """How the step was timed, where the record says (records before 2026-11-26 timed the eager runner and
     the head as loaded)."""
@@ -179,7 +193,7 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
         "labels); `python -m treespec.distill` (see the README).",
         *([f"- Continued training: this run started from the head of record `{continues[0]}` (commit "
            f"{continues[1].get('commit', '?')}), trained before for {earlier_training(continues[1])}; the "
-           "steps below are this run's, on the same corpora."] if continues else []),
+           f"steps below are this run's, {corpora_change(continues[1], corpora)}."] if continues else []),
         f"- Steps: {summary.get('step')} x {tc.get('batch_size')} windows of up to {tc.get('seq_len')} positions, "
         f"AdamW lr {tc.get('lr')} (cosine), feature noise {tc.get('feature_noise')}, seed {tc.get('seed')}.",
         *([f"- Training-time test (EAGLE-3, arXiv 2503.01840): the head is unrolled on its own features for "

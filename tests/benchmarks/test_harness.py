@@ -263,6 +263,13 @@ def test_draft_card_states_the_training_a_continued_head_started_from():
     assert (f"started from the head of record `2026-11-25-c3e123f` (commit c3e123f), trained before for {steps} "
             f"steps") in card and f"last segment {minutes} minutes" in card
     assert "Continued training" not in render(head, meta, rec["metrics"], rec["corpora"], None, "abc1234")
+    # the data: the same corpora and shards as the earlier run, or what changed
+    same = render(head, meta, earlier["metrics"], earlier["corpora"], None, "abc1234", (), ("e", earlier))
+    assert "this run's, on the same corpora." in same
+    more = [dict(c, shards_used="47 of 47") if c["name"] == "head-v2-greedy-f2-9" else c for c in earlier["corpora"]]
+    grown = render(head, meta, earlier["metrics"], more, None, "abc1234", (), ("e", earlier))
+    assert "on the same corpora" not in grown
+    assert "(head-v2-greedy-f2-9: 21 of 21 -> 47 of 47 shards)" in grown
 
 
 def test_draft_card_main_counts_pinned_shards_and_keeps_history(tmp_path, monkeypatch):
