@@ -146,7 +146,7 @@ def _step_how(cost: dict) -> str:
         return "; the eager target runner, the head as loaded"
     return (f"; target: {cost['target_runner']} (the eager runner: {cost['eager_target_step_s'] * 1e3:.1f} ms, "
             f"fraction {cost['eager_fraction']:.3f}); head: {cost['head_dtype'].removeprefix('torch.')}"
-            f"{', packed' if cost['head_packed'] else ''}, as the CLI drafts")
+            f"{', ' + cost.get('head_weights', 'packed') if cost['head_packed'] else ''}, as the CLI drafts")
 
 
 def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summary: dict | None,

@@ -11,7 +11,8 @@ Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--
 * treespec, drafters built exactly as ``treespec generate --draft X`` builds them (``treespec.cli``):
   ``ts_plain`` (no draft), ``ts_ngram`` (adaptive prompt lookup), ``ts_head`` (the shipped head with its
   shipped min-confidence), ``ts_head_chain`` (the head with ``--min-confidence 0``), ``ts_lookup_head``
-  (prompt lookup where the context repeats, the head elsewhere); which row is ``treespec generate``'s
+  (prompt lookup where the context repeats, the head elsewhere), ``ts_head_int4`` (the head on 4-bit
+  weights, ``--draft-quantize int4``; not in the default protocol); which row is ``treespec generate``'s
   default per dtype and temperature is read from the CLI and named in every table;
 * Hugging Face transformers: ``hf_plain`` (``generate``), ``hf_prompt_lookup``
   (``prompt_lookup_num_tokens``), ``hf_assisted`` (assisted generation; the assistant is
@@ -78,7 +79,7 @@ BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llam
                   "ts_plain_int4": "treespec int4 plain"}
 PROTOCOL_METHODS = ("ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_chain", "ts_lookup_head",
                     "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain", "llama_prompt_lookup")
-EXTRA_METHODS = ("ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
+EXTRA_METHODS = ("ts_head_int4", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
                  "ts_online_head", "ts_medusa")
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
 
@@ -151,12 +152,12 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine:
 
 
 def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None,
-                tree: tuple[int, ...] | None = None, law: str | None = None):
+                tree: tuple[int, ...] | None = None, law: str | None = None, quantize: str | None = None):
     """A drafter from the registry ``treespec generate --draft DRAFT [--tree T] [--min-confidence C]
-    [--law L]`` uses (one per temperature; None: the CLI's default)."""
+    [--law L] [--draft-quantize Q]`` uses (one per temperature; None: the CLI's default)."""
     from treespec.drafters import DraftOptions, build_drafter
 
-    options = DraftOptions(tree=tree, law=law, min_confidence=min_confidence)
+    options = DraftOptions(tree=tree, law=law, min_confidence=min_confidence, quantize=quantize)
     return lambda temperature: build_drafter(draft, model, options, temperature=temperature, tokenizer=tok,
                                              dtype=dtype)
 
@@ -176,6 +177,8 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
         ms.append(ts_method("ts_plain_eager", model, lambda t: None, "treespec generate --plain --runner eager"))
     add("ts_ngram", cli_drafter(model, tok, dtype, "ngram"), "treespec generate --draft ngram (adaptive lookup)")
     add("ts_head", cli_drafter(model, tok, dtype, "head"), "treespec generate --draft head (shipped min-confidence)")
+    add("ts_head_int4", cli_drafter(model, tok, dtype, "head", quantize="int4"),
+        "treespec generate --draft head --draft-quantize int4")
     add("ts_head_chain", cli_drafter(model, tok, dtype, "head", 0.0),
         "treespec generate --draft head --min-confidence 0")
     add("ts_lookup_head", cli_drafter(model, tok, dtype, "lookup+head"), "treespec generate --draft lookup+head")

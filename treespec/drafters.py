@@ -43,6 +43,13 @@ class DraftOptions:
     tree: tuple[int, ...] | None = None
     law: str | None = None
     min_confidence: float | None = None
+    quantize: str | None = None  # a head's weights: None (the target's dtype, packed) or "int4" (4-bit, CPU)
+
+    def __post_init__(self) -> None:
+        from .models.fast.quant import QUANTIZE_MODES
+
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize={self.quantize!r}: expected one of {QUANTIZE_MODES} or None")
 
 
 def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -59,7 +66,7 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
 
     head = load_default_head(target) if path is None else EagleHead.load(path, target)
-    head.for_inference(target.dtype)
+    head.for_inference(target.dtype, quantize=options.quantize)
     settings = (DEFAULT_HEAD_SETTINGS["greedy" if temperature <= 0 else "sampled"] if path is None
                 else {"tree": (1, 1, 1, 1), "min_confidence": 0.0})
     confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence

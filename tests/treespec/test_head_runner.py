@@ -212,6 +212,10 @@ LAW_CASES = {
     # the CLI's inference path: the head in bf16 with oneDNN-packed weights drafting for an fp32 target
     "head_bf16_packed_wor": (lambda h: ShapeDrafter(_bf16(h), TreeShape.widths((2, 2, 1)), "without_replacement"),
                              "rrs_without_replacement"),
+    # the head's decoder layer on 4-bit weights (for_inference(bf16, "int4"); the 4 x 32 rows stay bf16:
+    # the 4-bit kernel takes no output size below 16)
+    "head_int4_wor": (lambda h: ShapeDrafter(_int4(h), TreeShape.widths((2, 2, 1)), "without_replacement"),
+                      "rrs_without_replacement"),
 }
 
 
@@ -221,9 +225,14 @@ def _bf16(head):
         else head.for_inference(torch.bfloat16)
 
 
+def _int4(head):
+    """``head.for_inference(bf16, "int4")`` once."""
+    return head if head.inference_weights == "int4" else head.for_inference(torch.bfloat16, quantize="int4")
+
+
 @pytest.mark.stats
 @pytest.mark.parametrize("case,broken", [(c, False) for c in sorted(LAW_CASES)]
-                         + [("dyspec_wor", True), ("head_bf16_packed_wor", True)])
+                         + [("dyspec_wor", True), ("head_bf16_packed_wor", True), ("head_int4_wor", True)])
 def test_output_law_at_t1_with_head_trees(tmp_path, case, broken):
     small, head = _small_head(tmp_path)
     make, verifier = LAW_CASES[case]
@@ -266,3 +275,41 @@ def test_for_inference_packs_the_head_and_keeps_its_drafts(trained):  # noqa: F8
     b16 = low.logits(low(hidden, tokens[None], pos))
     assert (f32.argmax(-1) == b16.argmax(-1)).float().mean() >= 0.9
     assert head._embed.weight.dtype == torch.float32  # the target was not touched
+
+
+def test_for_inference_int4_puts_the_head_on_4_bit_weights(target, trained):  # noqa: F811
+    """``for_inference(bf16, quantize="int4")``: every linear layer and the subset rows run on 4-bit weights; the
+    rows' product is the product with the de-quantised weight (bf16 tolerance); the head drafts mostly the same
+    top-1 tokens as in float32; greedy output with it equals plain decoding (a draft's q never changes what
+    the target emits); an unknown mode is refused by name."""
+    import copy
+
+    from treespec.models.fast.packed import PackedLinear
+    from treespec.models.fast.quant import Int4Linear, dequantize, quantize_codes
+
+    _, head, _ = trained
+    low = copy.deepcopy(head)
+    object.__setattr__(low, "_embed", head._embed)  # the target's embedding, by reference (not a submodule)
+    with pytest.raises(ValueError, match="int8"):
+        copy.deepcopy(low).for_inference(torch.bfloat16, quantize="int8")
+    low.for_inference(torch.bfloat16, quantize="int4")
+    assert low.inference_weights == "int4"
+    assert [m for m in low.modules() if isinstance(m, Int4Linear)]
+    assert not any(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in low.modules())
+    x = torch.randn(5, head.cfg.hidden_size)
+    ref = x.bfloat16().float() @ dequantize(*quantize_codes(head.lm_rows.bfloat16())).t()  # [5, |S|]
+    got = low.logits(x)
+    cap = head.cfg.softcap
+    ref = torch.tanh(ref / cap) * cap if cap else ref
+    assert torch.allclose(got, ref, atol=0.05 * float(ref.abs().max()))
+    tokens = torch.tensor(prompts()[1][:16])
+    hidden = torch.randn(1, len(tokens), head.cfg.hidden_size)
+    pos = torch.arange(len(tokens))[None]
+    f32 = head.logits(head(hidden, tokens[None], pos))
+    q4 = low.logits(low(hidden, tokens[None], pos))
+    assert (f32.argmax(-1) == q4.argmax(-1)).float().mean() >= 0.75
+    cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    for prompt in (prompts()[1][:12] * 2, prompts()[2][:6]):
+        out = generate(target, prompt, ShapeDrafter(low, TreeShape.widths((2, 1, 1))), cfg)
+        assert out.token_ids == generate(target, prompt, None, cfg).token_ids
+    assert head._embed.weight.dtype == torch.float32 and head.inference_weights == "plain"

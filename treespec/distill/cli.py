@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--new-tokens", type=int, default=64)
     e.add_argument("--depths", type=int, default=6, help="tree depths measured along the text (1 = first level)")
     e.add_argument("--tau", action="store_true", help="also tau of a chain of 4 in the engine (T=0, T=1)")
+    e.add_argument("--quantize", choices=["none", "int4"], default="none",
+                   help="measure the head on 4-bit weights (SubsetHead.for_inference(dtype, 'int4'), CPU): every "
+                        "metric, tau and the step cost then describe that head")
     e.add_argument("--tau-prompts", type=int, default=8)
     e.add_argument("--json", default=None, help="write the metrics here too")
     m = sub.add_parser("medusa", help="train (or resume) Medusa-style decoding heads on corpora")
@@ -343,6 +346,8 @@ def _run(args) -> None:
             head.attach(model)
         except ValueError as err:
             raise DistillInputError(f"head file {path}: {err}") from None
+        if args.quantize != "none":  # the head as it drafts on 4-bit weights, for every measurement below
+            head.for_inference(next(model.parameters()).dtype, quantize=args.quantize)
         prompts = [p[-args.max_prompt_len:] if len(p) > args.max_prompt_len else p
                    for p in _tokenize(tok, rows, 10**9)]
         cache = _root() / "eval-cache"
@@ -372,7 +377,9 @@ def _run(args) -> None:
             result["tau_chain4_T1"] = chain_tau(model, head, tp, 4, 1.0, args.new_tokens)
         # last: the head is timed as the CLI drafts with it (bf16 and packed where the CPU computes bf16
         # natively), which leaves it for inference only
-        result["step_cost"] = step_cost(model, head.for_inference(next(model.parameters()).dtype))
+        result["quantize"] = args.quantize
+        result["step_cost"] = step_cost(model, head if args.quantize != "none"
+                                        else head.for_inference(next(model.parameters()).dtype))
         print(json.dumps(result, indent=1))
         if args.json:
             atomic_write_json(args.json, result)

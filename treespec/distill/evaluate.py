@@ -71,7 +71,7 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
     if groups is not None and len(groups) != len(prompts):
         raise ValueError(f"groups: {len(groups)} labels for {len(prompts)} prompts")
     sums: dict[str | None, list[list[float]]] = {}  # label -> [agree, accept, count] per depth
-    device = head.fc.weight.device
+    device = head.lm_rows.device
     for i, (prompt, gen) in enumerate(zip(prompts, gens)):
         if not gen:
             continue
@@ -157,7 +157,8 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
     (te, _, _), (tt, th, kind) = result["eager"], result["engine"]
     return {"target_step_s": tt, "head_step_s": th, "fraction": th / tt, "target_runner": kind,
             "eager_target_step_s": te, "eager_fraction": th / te,
-            "head_dtype": str(head.hidden_norm.weight.dtype), "head_packed": head._rows_packed is not None}
+            "head_dtype": str(head.lm_rows.dtype), "head_packed": head.inference_weights != "plain",
+            "head_weights": head.inference_weights}
 
 
 @torch.no_grad()

@@ -17,7 +17,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..models.fast.packed import pack_linears, pack_weight, packed_linear, prepack_default
+from ..models.fast.packed import PackedLinear, pack_linears, pack_weight, packed_linear, prepack_default
+from ..models.fast.quant import QUANTIZE_MODES, Int4Linear, check_int4_shape, int4_linear, quantize_int4
 from .weights_file import build_checked, read_weights, write_weights
 
 
@@ -45,6 +46,7 @@ class SubsetHead(nn.Module):
         self.register_buffer("vocab_ids", ids, persistent=False)
         self.register_buffer("lm_rows", torch.empty(0), persistent=False)  # W[S] [|S|, H], frozen copy
         self._rows_packed: torch.Tensor | None = None  # W[S] in oneDNN's layout (for_inference in bf16)
+        self._rows_int4 = None  # W[S] on 4-bit weights (for_inference(..., quantize="int4"))
 
     # ------------------------------------------------------------------ target coupling
     @property
@@ -72,7 +74,9 @@ class SubsetHead(nn.Module):
         product's dtype with ``float32=False`` (training hands bf16 logits to a loss that upcasts block by block)."""
         if not self.attached:
             raise RuntimeError("attach the head to its target first")
-        if self._rows_packed is not None:
+        if self._rows_int4 is not None:
+            logits = int4_linear(feature.to(self.lm_rows.dtype), self._rows_int4)
+        elif self._rows_packed is not None:
             logits = packed_linear(feature.to(self.lm_rows.dtype), self._rows_packed)
         else:
             logits = feature.to(self.lm_rows.dtype) @ self.lm_rows.t()
@@ -81,23 +85,44 @@ class SubsetHead(nn.Module):
             return capped if float32 else capped.to(logits.dtype)
         return logits.float() if float32 else logits
 
-    def for_inference(self, dtype: torch.dtype) -> "SubsetHead":
+    def for_inference(self, dtype: torch.dtype, quantize: str | None = None) -> "SubsetHead":
         """This (attached) head, for drafting only, computing in ``dtype``; returns ``self``.
 
         The trained weights and the subset's LM-head rows are cast to ``dtype``; in bf16 on a CPU with
         oneDNN every linear layer and the rows are also packed once into oneDNN's layout
         (:mod:`treespec.models.fast.packed`), which makes a one-row head step several times cheaper
-        than float32 or a plain bf16 product (``benchmarks/results/profile``). The head then no longer
-        trains (packed weights have no gradient). Verification stays lossless: the draft's q is
-        whatever this head computes, and the verifier is handed exactly that q.
+        than float32 or a plain bf16 product (``benchmarks/results/profile``). ``quantize="int4"``
+        (CPU) puts every linear layer and the rows on 4-bit weights instead
+        (:mod:`treespec.models.fast.quant`: a quarter of the bf16 bytes per step, another q). The head
+        then no longer trains (packed or quantised weights have no gradient). Verification stays
+        lossless: the draft's q is whatever this head computes, and the verifier is handed exactly that q.
         """
         if not self.attached:
             raise RuntimeError("attach the head to its target first")
+        if quantize is not None and quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize={quantize!r}: expected one of {QUANTIZE_MODES} or None")
         self.to(dtype)
-        if prepack_default(dtype, self.lm_rows.device):
+        pack = prepack_default(dtype, self.lm_rows.device)
+        if quantize == "int4":  # weights whose shape the 4-bit kernel does not take stay as they would be without
+            def fits(w: torch.Tensor) -> bool:
+                return check_int4_shape(*w.shape) is None
+
+            pack_linears(self, lambda lin: Int4Linear(lin, dtype) if fits(lin.weight)
+                         else PackedLinear(lin) if pack else lin)
+            if fits(self.lm_rows):
+                self._rows_int4 = quantize_int4(self.lm_rows, dtype)
+        elif pack:
             pack_linears(self)
+        if pack and self._rows_int4 is None:
             self._rows_packed = pack_weight(self.lm_rows)
         return self.eval()
+
+    @property
+    def inference_weights(self) -> str:
+        """How the head's products run: ``"int4"``, ``"packed"`` (oneDNN bf16) or ``"plain"``."""
+        if self._rows_int4 is not None or any(isinstance(m, Int4Linear) for m in self.modules()):
+            return "int4"
+        return "packed" if self._rows_packed is not None else "plain"
 
     # ------------------------------------------------------------------ drafting
     def as_runner(self):

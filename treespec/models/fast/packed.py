@@ -56,11 +56,13 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
-    """Replace every bias-free ``nn.Linear`` below ``module`` by a :class:`PackedLinear` (in place)."""
+def pack_linears(module: nn.Module, make=PackedLinear) -> nn.Module:
+    """Replace every bias-free ``nn.Linear`` below ``module`` by ``make(linear)`` (in place): a
+    :class:`PackedLinear` by default, or another inference-only form (e.g. 4-bit weights,
+    :class:`~treespec.models.fast.quant.Int4Linear`)."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and child.bias is None:
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, make(child))
         else:
-            pack_linears(child)
+            pack_linears(child, make)
     return module

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 #: the quantisation modes of a target (``None``: the weights as loaded)
 QUANTIZE_MODES = ("int4",)
@@ -96,3 +97,18 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, weight.in_features), weight.packed,
                                                      weight.group, weight.scales_zeros)  # [rows, out]
     return out.view(*lead, weight.out_features)
+
+
+class Int4Linear(nn.Module):
+    """A bias-free :class:`torch.nn.Linear` for inference only, on 4-bit weights (:func:`quantize_int4`)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Int4Linear covers bias-free linear layers only")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight4 = quantize_int4(linear.weight, dtype)
+        self.dtype = self.weight4.scales_zeros.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x.to(self.dtype), self.weight4)
