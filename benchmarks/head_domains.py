@@ -13,7 +13,9 @@ A gap between the two with the same head is the domain (prompt style, tasks), no
     python benchmarks/head_domains.py --heads shipped=treespec/assets/gemma3-270m-head.safetensors \\
         previous=git:4dba31b:treespec/assets/gemma3-270m-head.safetensors --num-prompts 48
 
-``git:REV:PATH`` reads a head file as committed at ``REV`` (an earlier shipped head). Results:
+``git:REV:PATH`` reads a head file as committed at ``REV`` (an earlier shipped head); a suffix ``@int4``
+measures the head on 4-bit weights (``evaluate --quantize int4``, as ``--draft-quantize int4`` drafts), e.g.
+``--heads bf16=H int4=H@int4 --sets specbench``. Results:
 ``benchmarks/results/draft/<date>-<commit>-domains/`` (``metrics.json``, ``table.md``, ``provenance.json``).
 """
 
@@ -46,6 +48,12 @@ def head_file(spec: str, tmp: Path) -> Path:
     return out
 
 
+def split_spec(spec: str) -> tuple[str, list[str]]:
+    """``PATH[@int4]`` -> (the head's path spec, the evaluate options its suffix asks for)."""
+    path, _, weights = spec.rpartition("@") if spec.endswith("@int4") else (spec, "", "")
+    return path, (["--quantize", weights] if weights else [])
+
+
 def evaluate(head: Path, extra: list[str], args: argparse.Namespace, out_json: Path) -> dict:
     from treespec.distill.cli import main as distill_main
 
@@ -57,12 +65,14 @@ def evaluate(head: Path, extra: list[str], args: argparse.Namespace, out_json: P
 
 def table(results: dict) -> list[str]:
     lines = ["| head | prompts | positions T=0 | T=0 top-1, depth 1 | depth 3 | depth 6 | T=1 sum min(p, q), depth 1 | "
-             "depth 3 | depth 6 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "depth 3 | depth 6 | head step / target step |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, sets in results.items():
         for s, m in sets.items():
-            a, b = m["top1_agreement_T0_by_depth"], m["sum_min_pq_T1_by_depth"]
+            a, b, cost = m["top1_agreement_T0_by_depth"], m["sum_min_pq_T1_by_depth"], m["step_cost"]
             lines.append(f"| {name} | {s} | {m['positions_T0']} | {a[0]:.3f} | {a[min(2, len(a) - 1)]:.3f} | "
-                         f"{a[-1]:.3f} | {b[0]:.3f} | {b[min(2, len(b) - 1)]:.3f} | {b[-1]:.3f} |")
+                         f"{a[-1]:.3f} | {b[0]:.3f} | {b[min(2, len(b) - 1)]:.3f} | {b[-1]:.3f} | "
+                         f"{cost['fraction']:.3f} ({cost['head_step_s'] * 1e3:.2f} / {cost['target_step_s'] * 1e3:.1f} ms, "
+                         f"{cost.get('head_weights', '?')}) |")
     lines += ["", "Per task (depth 1; Spec-Bench subtask, or the train row's category):", "",
               "| head | prompts | task | prompts in it | positions T=0 | T=0 top-1 | T=1 sum min(p, q) |",
               "|---|---|---|---:|---:|---:|---:|"]
@@ -97,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in heads.items():
-            path = head_file(spec, Path(tmp))
+            where, weights = split_spec(spec)
+            path = head_file(where, Path(tmp))
             results[name] = {}
             for s in sets:
-                results[name][s] = evaluate(path, SETS[s], args, Path(tmp) / f"{name}-{s}.json")
+                results[name][s] = evaluate(path, SETS[s] + weights, args, Path(tmp) / f"{name}-{s}.json")
                 results[name][s]["head"] = spec
             write_json(out / "metrics.json", {"settings": vars(args) | {"out": str(args.out)}, "results": results})
     lines = [f"# Draft heads on Spec-Bench and held-out train rows (commit {prov['commit_short']})", "",

@@ -416,3 +416,17 @@ def test_early_exit_search_picks_the_newest_profile_of_its_dtype(tmp_path):
     assert newest_profile(tmp_path, "bfloat16").parent.name == "2026-11-25-1bbbbbb-bf16"
     assert newest_profile(tmp_path, "float32").parent.name == "2026-11-26-3dddddd-fp32"
     assert newest_profile(tmp_path, "float16") is None  # no profile of that dtype
+
+
+def test_head_domains_reads_the_weights_suffix_and_tables_the_step_cost():
+    """``NAME=PATH@int4`` measures the head on 4-bit weights (evaluate --quantize int4); a path without the suffix,
+    or with an @ elsewhere, is passed as it is; the table shows each head's step fraction and weights."""
+    from benchmarks.head_domains import split_spec, table
+
+    assert split_spec("treespec/assets/h.safetensors@int4") == ("treespec/assets/h.safetensors", ["--quantize", "int4"])
+    assert split_spec("git:abc:h.safetensors") == ("git:abc:h.safetensors", [])
+    assert split_spec("dir@x/h.safetensors") == ("dir@x/h.safetensors", [])
+    m = {"positions_T0": 10, "top1_agreement_T0_by_depth": [0.5, 0.4, 0.3], "sum_min_pq_T1_by_depth": [0.4, 0.3, 0.2],
+         "step_cost": {"fraction": 0.083, "head_step_s": 0.00142, "target_step_s": 0.017, "head_weights": "int4"}}
+    assert "| int4 | specbench | 10 | 0.500 | 0.300 | 0.300 | 0.400 | 0.200 | 0.200 | 0.083 (1.42 / 17.0 ms, int4) |" \
+        in table({"int4": {"specbench": m}})
