@@ -101,7 +101,7 @@ def component_times(target, quantize: str | None = None, sizes: tuple[int, ...] 
     # by reading the weight; at that rate, n tokens' matrix products (every linear weight, LM head included)
     # cannot take less than 2 n P / rate: a floor under t(n) besides the streaming time
     big = torch.randn(PEAK_ROWS, hidden_size, dtype=runner.dtype)
-    peak = [timed(lambda: runner.linear(big, runner.lm_head_weight)) for _ in range(3)]
+    peak = [timed(lambda: runner.linear(big, runner.lm_head_weight)) for _ in range(4)][1:]  # the first warms up
     peak_gflops = 2 * PEAK_ROWS * vocab * hidden_size / statistics.median(peak) / 1e9
     matmul_params = vocab * hidden_size + sum(p.numel() for name, p in runner.model.named_parameters()
                                               if p.dim() == 2 and "embed" not in name and "lm_head" not in name)

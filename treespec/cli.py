@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model; speculative decoding is lossless with respect to it (compare with --plain "
                         "--quantize int4)")
     g.add_argument("--draft-quantize", choices=["none", *QUANTIZE_MODES], default="none",
-                   help="int4: a draft head's products run on 4-bit weights (a quarter of the bf16 bytes a step "
+                   help="int4: a draft head's products run on 4-bit weights (about a third of the bf16 bytes a step "
                         "reads; another q, so other acceptance; lossless either way; needs bfloat16)")
     g.add_argument("--plain", action="store_true", help="plain autoregressive decoding of the target, for comparison")
     g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")

@@ -100,18 +100,30 @@ def test_quantized_target_through_the_cli(capsys, gemma_dir, llama_dir):
     assert code == 2 and "--quantize int4" in err and "gemma3_text" in err
 
 
-def test_draft_quantize_puts_a_head_on_4_bit_weights_through_the_cli(capsys, gemma_dir, tmp_path):
-    """--draft-quantize int4 drafts with a head on 4-bit weights (bf16): it runs and emits every token; a drafter
-    that is not a head, plain decoding and float32 are refused with exit 2 and a reason."""
+def test_draft_quantize_puts_a_head_on_4_bit_weights_through_the_cli(capsys, gemma_dir, tmp_path, monkeypatch):
+    """--draft-quantize int4 drafts with a head on 4-bit weights (bf16): it runs, emits every token and the head it
+    drafted with is on 4-bit weights (without the flag: packed bf16 or plain); a drafter that is not a head, plain
+    decoding and float32 are refused with exit 2 and a reason."""
     import torch
 
     from treespec.drafting.head import new_head
+    from treespec.drafting.subset_head import SubsetHead
 
     head_file = tmp_path / "head.safetensors"
     new_head(tiny_model("gemma3", VOCAB, seed=2), torch.arange(32), num_heads=4, intermediate_size=64).save(head_file)
+    seen, original = [], SubsetHead.for_inference
+
+    def spy(self, dtype, quantize=None):
+        out = original(self, dtype, quantize)
+        seen.append(out.inference_weights)
+        return out
+
+    monkeypatch.setattr(SubsetHead, "for_inference", spy)
     code, out, err = _run_bf16(capsys, gemma_dir, "--draft", str(head_file), "--draft-quantize", "int4")
     assert code == 0, err
-    assert len(out["token_ids"]) == 24
+    assert len(out["token_ids"]) == 24 and seen == ["int4"]
+    code, out, err = _run_bf16(capsys, gemma_dir, "--draft", str(head_file))
+    assert code == 0 and seen[1] in ("packed", "plain"), err
     for argv, words in ((["--draft", "ngram"], ["--draft-quantize int4", "draft head", "'ngram'"]),
                         (["--plain"], ["--draft-quantize int4", "'none'"]),
                         (["--draft", str(head_file), "--dtype", "float32"], ["--draft-quantize int4", "bfloat16"])):

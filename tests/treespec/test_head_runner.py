@@ -124,7 +124,7 @@ def _path_reference(head, target, prefix: list[int], tree: TokenTree, node: int)
     return per_depth[d][len(prefix) + d - 1]
 
 
-@pytest.mark.parametrize("prefix_len", [9, 70])  # 70: the cache outgrows its first buffer (64 entries)
+@pytest.mark.parametrize("prefix_len", [9, 70])  # 70: the first buffer holds 70 entries, the first level outgrows it
 def test_runner_equals_the_per_path_reference_on_branching_trees_across_rounds(target, trained, prefix_len):  # noqa: F811
     """Branching trees fed in uneven levels, a commit, and a second round that starts with a chain of the
     accepted tokens: every node's logits equal :func:`_path_reference` (float32 head, atol 1e-4). A runner
@@ -292,8 +292,13 @@ def test_for_inference_int4_puts_the_head_on_4_bit_weights(target, trained):  # 
     object.__setattr__(low, "_embed", head._embed)  # the target's embedding, by reference (not a submodule)
     with pytest.raises(ValueError, match="int8"):
         copy.deepcopy(low).for_inference(torch.bfloat16, quantize="int8")
+    with pytest.raises(ValueError, match="bfloat16"):
+        copy.deepcopy(low).for_inference(torch.float32, quantize="int4")
     low.for_inference(torch.bfloat16, quantize="int4")
-    assert low.inference_weights == "int4"
+    assert low.inference_weights == "int4" and low._rows_int4 is not None and low._rows_packed is None
+    assert low.for_inference(torch.bfloat16, quantize="int4") is low  # the same form again: unchanged
+    with pytest.raises(ValueError, match="already set for inference"):
+        low.for_inference(torch.bfloat16)  # another form
     assert [m for m in low.modules() if isinstance(m, Int4Linear)]
     assert not any(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in low.modules())
     x = torch.randn(5, head.cfg.hidden_size)

@@ -346,8 +346,12 @@ def _run(args) -> None:
             head.attach(model)
         except ValueError as err:
             raise DistillInputError(f"head file {path}: {err}") from None
+        trained_parameters = head.num_trained_parameters  # (4-bit layers hold no parameters)
         if args.quantize != "none":  # the head as it drafts on 4-bit weights, for every measurement below
-            head.for_inference(next(model.parameters()).dtype, quantize=args.quantize)
+            try:
+                head.for_inference(next(model.parameters()).dtype, quantize=args.quantize)
+            except ValueError as err:
+                raise DistillInputError(f"--quantize {args.quantize}: {err} (use --dtype bfloat16)") from None
         prompts = [p[-args.max_prompt_len:] if len(p) > args.max_prompt_len else p
                    for p in _tokenize(tok, rows, 10**9)]
         cache = _root() / "eval-cache"
@@ -362,7 +366,7 @@ def _run(args) -> None:
                   "top1_agreement_T0": m0["top1_agreement"], "positions_T1": m1["positions"],
                   "sum_min_pq_T1": m1["sum_min_pq"], "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
                   "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"], "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
-                  "positions_T0_by_depth": m0["positions_by_depth"], "trained_parameters": head.num_trained_parameters,
+                  "positions_T0_by_depth": m0["positions_by_depth"], "trained_parameters": trained_parameters,
                   "vocab_subset": int(head.vocab_ids.numel()),
                   "threads": args.threads, "dtype": str(next(model.parameters()).dtype),
                   "by_group": {g: {"prompts": groups.count(g),

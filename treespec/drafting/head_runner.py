@@ -72,6 +72,7 @@ class HeadRunner:
         self.entries = 0  # committed cache entries
         self.length = 0  # committed tokens covered (position 0 has no entry)
         self.slots: list[int] = []  # tree node of each uncommitted entry, in order
+        self._slot_nodes = torch.zeros(0, dtype=torch.long)  # the same nodes as a tensor (where the tree's are)
         self._features = torch.zeros(0, cfg.hidden_size, device=self.device)  # [capacity, H] fed nodes' outputs
         self._fed: set[int] = set()  # tree nodes fed so far (their rows of _features are valid)
         self.tree: TokenTree | None = None
@@ -137,9 +138,10 @@ class HeadRunner:
         A node's parent must have been fed by an earlier call (the head reads its output feature).
 
         One step reads every head weight once; the rest is kept small: the cache and the node
-        features live in buffers that grow by doubling, the attention mask is built only where some
-        entry must not see another, and the bookkeeping runs on host integers (one transfer of the
-        nodes' indices and parents per call).
+        features live in buffers that grow by doubling, attention runs for the node rows only (the
+        head has one layer: a chain entry is only kept, for its key and value), its mask is built only
+        where a node must not see some entry, and the bookkeeping runs on host integers (one transfer
+        of the nodes' indices and parents to the host per call).
         """
         device, head = self.device, self.head
         base, used = self.length, self.entries + len(self.slots)
@@ -165,9 +167,9 @@ class HeadRunner:
             if all(roots):
                 inputs.append(root_hidden.expand(n, -1))
             else:
-                known = self._features[torch.tensor(parent_list, device=device).clamp_(min=0)]  # [n, H]
-                inputs.append(torch.where(torch.tensor(roots, device=device)[:, None], root_hidden, known)
-                              if any(roots) else known)
+                parents = tree.parents[nodes].to(device)  # [n] (on the device: no copy from the host)
+                known = self._features[parents.clamp(min=0)]  # [n, H]
+                inputs.append(torch.where((parents < 0)[:, None], root_hidden, known) if any(roots) else known)
             toks.append(tree.tokens[nodes].to(device))
             pos.append(tree.depths[nodes].to(device) + self.root_position)
         new = m_entries + n
@@ -179,15 +181,15 @@ class HeadRunner:
             self._reserve(total)
             self._kv[0, :, used:total] = k[0]
             self._kv[1, :, used:total] = v[0]
-            mask = self._mask(tree, nodes, node_list if n else [], m_entries, used, total)
-            att = F.scaled_dot_product_attention(q.float(), self._kv[0:1, :, :total], self._kv[1:2, :, :total],
-                                                 attn_mask=mask)
-            out = head.out_norm(head.layer.finish(x, att.to(x.dtype)))[0]  # [new, H]
+        if n:  # one layer: only the nodes' outputs are read (a chain entry is kept for its key and value)
+            mask = self._mask(tree, nodes, node_list, total)
+            att = F.scaled_dot_product_attention(q[:, :, m_entries:].float(), self._kv[0:1, :, :total],
+                                                 self._kv[1:2, :, :total], attn_mask=mask)  # [1, heads, n, hd]
+            node_out = head.out_norm(head.layer.finish(x[:, m_entries:], att.to(x.dtype)))[0]  # [n, H]
         self.entries += m_entries
         self.length = base + m
         result: dict[str, torch.Tensor] = {}
         if n:
-            node_out = out[m_entries:]  # [n, H]
             if tree.num_nodes > self._features.shape[0]:  # grow the per-node table to the tree
                 grown = self._features.new_zeros(max(tree.num_nodes, 2 * self._features.shape[0], 16),
                                                  self._features.shape[1])
@@ -196,6 +198,7 @@ class HeadRunner:
             self._features[nodes.to(device)] = node_out.float()
             self._fed.update(node_list)
             self.slots.extend(node_list)
+            self._slot_nodes = torch.cat([self._slot_nodes.to(nodes.device), nodes])  # the same nodes, a tensor
             if need_logits == "subset":
                 result["logits"] = head.logits(node_out)  # [n, |S|]
                 result["vocab_ids"] = head.vocab_ids
@@ -207,25 +210,19 @@ class HeadRunner:
                 result["hidden"] = node_out
         return result
 
-    def _mask(self, tree: TokenTree | None, nodes: torch.Tensor | None, node_list: list[int], m_entries: int,
-              used: int, total: int) -> torch.Tensor | None:
-        """``[1, 1, new, total]`` bool attention mask of the new entries, or None where each sees all.
+    def _mask(self, tree: TokenTree, nodes: torch.Tensor, node_list: list[int], total: int) -> torch.Tensor | None:
+        """``[1, 1, n, total]`` bool attention mask of the new nodes, or None where each sees every entry.
 
-        Every new entry sees the committed entries; a chain entry sees the chain up to itself; a node
-        sees the chain and, among the tree's entries, itself and its ancestors.
+        A node sees the committed entries, this call's chain and, among the tree's entries (the earlier
+        slots, or after a chain none, then these nodes), itself and its ancestors.
         """
-        n = len(node_list)  # the new entries: the chain at [used, used + m_entries), then the nodes
-        chain_causal = m_entries > 1 or (m_entries > 0 and n > 0)
-        tree_restricted = n > 1 or (n > 0 and len(self.slots) > 0)
-        if not chain_causal and not tree_restricted:
+        n = len(node_list)
+        if n == 1 and not self.slots:  # a root alone: it sees everything cached
             return None
-        visible = torch.ones(m_entries + n, total, dtype=torch.bool, device=self.device)
-        if m_entries:  # (a chain never follows uncommitted nodes: used == committed here)
-            visible[:m_entries, used:].tril_()
-        if tree_restricted:  # the tree's entries: the earlier slots (or, after a chain, none), then these nodes
-            key_nodes = torch.tensor(self.slots + node_list, dtype=torch.long, device=tree.ancestor_mask.device)
-            visible[m_entries:, total - len(key_nodes):] = \
-                tree.ancestor_mask[nodes.to(key_nodes.device)][:, key_nodes].to(self.device)
+        visible = torch.ones(n, total, dtype=torch.bool, device=self.device)
+        anc = tree.ancestor_mask
+        key_nodes = torch.cat([self._slot_nodes.to(anc.device), nodes.to(anc.device)])  # [tree entries]
+        visible[:, total - key_nodes.numel():] = anc[nodes.to(anc.device)][:, key_nodes].to(self.device)
         return visible[None, None]
 
     @torch.no_grad()
@@ -262,6 +259,7 @@ class HeadRunner:
         self.entries += int(keep_root)  # the dropped entries are overwritten by the next call
         self.length += int(keep_root)
         self.slots, self._fed, self.tree = [], set(), None
+        self._slot_nodes = self._slot_nodes[:0]
 
 
 def head_depth_logits(head: EagleHead, target, ids: torch.Tensor, depths: int

@@ -93,7 +93,7 @@ class SubsetHead(nn.Module):
         (:mod:`treespec.models.fast.packed`), which makes a one-row head step several times cheaper
         than float32 or a plain bf16 product (``benchmarks/results/profile``). ``quantize="int4"``
         (CPU) puts every linear layer and the rows on 4-bit weights instead
-        (:mod:`treespec.models.fast.quant`: a quarter of the bf16 bytes per step, another q). The head
+        (:mod:`treespec.models.fast.quant`: about a third of the bf16 bytes per step, another q; bf16 only). The head
         then no longer trains (packed or quantised weights have no gradient). Verification stays
         lossless: the draft's q is whatever this head computes, and the verifier is handed exactly that q.
         """
@@ -101,6 +101,15 @@ class SubsetHead(nn.Module):
             raise RuntimeError("attach the head to its target first")
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize={quantize!r}: expected one of {QUANTIZE_MODES} or None")
+        if quantize == "int4" and (dtype != torch.bfloat16 or self.lm_rows.device.type != "cpu"):
+            raise ValueError(f"quantize='int4' runs torch's int4 CPU kernel on bfloat16 activations; this head would "
+                             f"compute in {str(dtype).removeprefix('torch.')} on {self.lm_rows.device}")
+        wanted = "int4" if quantize == "int4" else "packed" if prepack_default(dtype, self.lm_rows.device) else "plain"
+        if self.inference_weights != "plain":
+            if self.inference_weights != wanted or self.lm_rows.dtype != dtype:
+                raise ValueError(f"this head is already set for inference ({self.inference_weights}, "
+                                 f"{str(self.lm_rows.dtype).removeprefix('torch.')}); load it again for another form")
+            return self
         self.to(dtype)
         pack = prepack_default(dtype, self.lm_rows.device)
         if quantize == "int4":  # weights whose shape the 4-bit kernel does not take stay as they would be without
