@@ -246,6 +246,16 @@ def test_output_law_at_t1_with_head_trees(tmp_path, case, broken):
         assert p_value > ALPHA, f"{case}: output law differs from the target's (G-test p = {p_value:.2e})"
 
 
+def _top1_agreement(head, low) -> float:
+    """How often ``low`` (the head set for inference) and the float32 ``head`` put the same token first, teacher-
+    forced along a training prompt with random target features."""
+    tokens = torch.tensor(prompts()[1][:16])
+    hidden = torch.randn(1, len(tokens), head.cfg.hidden_size)
+    pos = torch.arange(len(tokens))[None]
+    f32 = head.logits(head(hidden, tokens[None], pos))
+    return float((f32.argmax(-1) == low.logits(low(hidden, tokens[None], pos)).argmax(-1)).float().mean())
+
+
 def test_for_inference_packs_the_head_and_keeps_its_drafts(trained):  # noqa: F811
     """``SubsetHead.for_inference``: float32 changes nothing (same logits bit for bit); bf16 packs every
     bias-free linear layer and the subset rows (the packed product equals ``F.linear`` in bf16) and
@@ -268,12 +278,7 @@ def test_for_inference_packs_the_head_and_keeps_its_drafts(trained):  # noqa: F8
         got = low.logits(x)
         cap = head.cfg.softcap
         assert torch.equal(got, torch.tanh(ref / cap) * cap if cap else ref)
-    tokens = torch.tensor(prompts()[1][:16])
-    hidden = torch.randn(1, len(tokens), head.cfg.hidden_size)
-    pos = torch.arange(len(tokens))[None]
-    f32 = head.logits(head(hidden, tokens[None], pos))
-    b16 = low.logits(low(hidden, tokens[None], pos))
-    assert (f32.argmax(-1) == b16.argmax(-1)).float().mean() >= 0.9
+    assert _top1_agreement(head, low) >= 0.9
     assert head._embed.weight.dtype == torch.float32  # the target was not touched
 
 
@@ -307,12 +312,7 @@ def test_for_inference_int4_puts_the_head_on_4_bit_weights(target, trained):  # 
     cap = head.cfg.softcap
     ref = torch.tanh(ref / cap) * cap if cap else ref
     assert torch.allclose(got, ref, atol=0.05 * float(ref.abs().max()))
-    tokens = torch.tensor(prompts()[1][:16])
-    hidden = torch.randn(1, len(tokens), head.cfg.hidden_size)
-    pos = torch.arange(len(tokens))[None]
-    f32 = head.logits(head(hidden, tokens[None], pos))
-    q4 = low.logits(low(hidden, tokens[None], pos))
-    assert (f32.argmax(-1) == q4.argmax(-1)).float().mean() >= 0.75
+    assert _top1_agreement(head, low) >= 0.75
     cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.0), stop_on_eos=False)
     for prompt in (prompts()[1][:12] * 2, prompts()[2][:6]):
         out = generate(target, prompt, ShapeDrafter(low, TreeShape.widths((2, 1, 1))), cfg)
