@@ -1,6 +1,6 @@
 """Head ablations (issue 15): train variants of the draft head one change at a time, measure each on held-out rows.
 
-Every variant trains from scratch on the same stage-2 corpora (recipes/head_v2_train.sh, STAGE=corpus),
+Every variant trains from scratch (or, with ``--init-head``, from one starting head) on the same stage-2 corpora (recipes/head_v2_train.sh, STAGE=corpus),
 with the same seed, steps and batch, differing from the base only in the options it names. Each is
 then measured on held-out train prompts (rows ``HELD_OUT_FROM:`` of the seeded order, which no corpus
 uses; never the eval set): the target's own greedy and sampled (T=1) continuations, the head's top-1
@@ -9,6 +9,8 @@ depth k = the node k levels below a root whose path follows the text), and one h
 target step.
 
     python benchmarks/head_ablation.py --steps 1000 [--variants base,ttt3,vocab32k] [--time-limit 40] [--max-shards 31]
+    python benchmarks/head_ablation.py --init-head treespec/assets/gemma3-270m-head.safetensors --variants base,tv \
+        --steps 150 --warmup 20 --max-shards 47,21   # continued training from the shipped head, one change at a time
     python benchmarks/head_ablation.py --tiny    # smoke test: a tiny random target, its own corpus, 20 steps
 
 Training runs resume (checkpoints in the cache under distill/runs/ablation-<name>-<steps>-<digest of the options>); a variant's
@@ -46,6 +48,9 @@ VARIANTS: dict[str, dict] = {
     "fused+ttt3": {"feature_layers": "low,mid", "depths": 3},
     # the subset logits in float32 although the head trains under bf16 autocast (every run before logits_amp)
     "fp32-logits": {"logits_amp": False},
+    # the total-variation loss beside the cross-entropies: 1 - sum min(p, q), the acceptance itself (DistillSpec,
+    # arXiv 2310.08461)
+    "tv": {"w_tv": 1.0},
 }
 
 
@@ -61,6 +66,11 @@ def resolve(changes: dict, num_layers: int) -> dict:
     return {k: low_mid_layers(num_layers) if v == "low,mid" else v for k, v in changes.items()}
 BASE = {"vocab_size": 16384, "depths": 1, "feature_noise": 0.05, "w_hard": 0.1, "batch_size": 8, "seq_len": 256,
         "lr": 1e-3, "warmup": 100, "ckpt_every": 100}
+#: the base of continued-training ablations (``--init-head``): the options of the shipped head's recipe
+#: (recipes/head_v2_train.sh: training-time test at depths 1-3, continued runs at lr 5e-4, warmup 50)
+BASE_CONTINUED = {**BASE, "depths": 3, "depth_decay": 0.8, "lr": 5e-4, "warmup": 50}
+#: options a continued run cannot change (the starting head fixes them)
+FIXED_BY_INIT = ("vocab_size", "feature_layers", "num_heads", "head_dim", "intermediate_size")
 
 
 def held_out_prompts(num: int, max_len: int) -> list[list[int]]:
@@ -92,13 +102,16 @@ def chain_length(acceptance_by_depth: list[float]) -> float:
     return total
 
 
-def run_name(variant: str, cfg) -> str:
-    """The cache folder of a variant's training run: its name, steps and a digest of every training option, so that a
-    run with other options (another base, a new option's default) never resumes from this one's checkpoints."""
+def run_name(variant: str, cfg, init_head: str | Path | None = None) -> str:
+    """The cache folder of a variant's training run: its name, steps and a digest of every training option (and of the
+    starting head's bytes, for a continued run), so that a run with other options (another base, a new option's
+    default, another start) never resumes from this one's checkpoints."""
     import hashlib
     from dataclasses import asdict
 
     options = {k: v for k, v in asdict(cfg).items() if k != "time_limit_s"}
+    if init_head is not None:
+        options["init_head"] = hashlib.sha256(Path(init_head).read_bytes()).hexdigest()
     digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"ablation-{variant}-{cfg.steps}-{digest}"
 
@@ -131,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=None, help="minutes of training per variant per call")
-    ap.add_argument("--max-shards", type=int, default=None,
-                    help="train every variant on the first N shards of each corpus (pins a corpus that is still growing)")
+    ap.add_argument("--max-shards", default=None,
+                    help="train every variant on the first N shards of each corpus (pins a corpus that is still growing); "
+                         "N1,N2: one count per corpus")
+    ap.add_argument("--init-head", default=None,
+                    help="continued training: every variant starts from this head file, with the shipped recipe's options "
+                         "(BASE_CONTINUED) as its base; variants that change what the head file fixes are refused")
+    ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: the base's)")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test on a tiny random Gemma-3 target with its own small corpus (temporary folders)")
     add_output_args(ap)
@@ -168,6 +186,20 @@ def _main(args, tmp: Path | None) -> int:
     if unknown:
         print(f"head_ablation: unknown variants {unknown}; known: {sorted(VARIANTS)}", file=sys.stderr)
         return 2
+    base = dict(BASE_CONTINUED if args.init_head else BASE)
+    if args.warmup is not None:
+        base["warmup"] = args.warmup
+    if args.init_head:
+        fixed = [n for n in names if set(VARIANTS[n]) & set(FIXED_BY_INIT)]
+        if fixed:
+            print(f"head_ablation: variants {fixed} change what --init-head fixes ({', '.join(FIXED_BY_INIT)})",
+                  file=sys.stderr)
+            return 2
+        if not Path(args.init_head).is_file():
+            print(f"head_ablation: --init-head {args.init_head}: no such file", file=sys.stderr)
+            return 2
+    max_shards = None if args.max_shards is None else \
+        tuple(int(x) for x in str(args.max_shards).split(",")) if "," in str(args.max_shards) else int(args.max_shards)
     corpora = [Path(c) for c in args.corpus.split(",")] if args.corpus else \
         [p for p in (distill_root() / "corpus" / "head-v2-greedy-f2-9", distill_root() / "corpus" / "head-v2-sample-f2-9")
          if (p / "manifest.json").exists()]
@@ -177,7 +209,7 @@ def _main(args, tmp: Path | None) -> int:
     torch.set_num_threads(args.threads)
     started = time.time()
     out, _ = open_results("ablation", args.out, allow_dirty=args.allow_dirty,
-                          extra={"ablation": {**vars(args), "out": None, "base": BASE,
+                          extra={"ablation": {**vars(args), "out": None, "base": base,
                                               "corpora": "tiny (temporary)" if args.tiny else
                                               [str(c) for c in corpora]}})
     if args.tiny:
@@ -196,11 +228,11 @@ def _main(args, tmp: Path | None) -> int:
         if path.exists():
             results[name] = json.loads(path.read_text())
             continue
-        options = {**BASE, **resolve(VARIANTS[name], layers), "steps": args.steps, "seed": args.seed, "max_shards": args.max_shards,
+        options = {**base, **resolve(VARIANTS[name], layers), "steps": args.steps, "seed": args.seed, "max_shards": max_shards,
                    "time_limit_s": None if args.time_limit is None else args.time_limit * 60}
         cfg = TrainConfig(**options)
-        head, summary = train(target, corpora if len(corpora) > 1 else corpora[0], runs / run_name(name, cfg),
-                              cfg, log=print,
+        head, summary = train(target, corpora if len(corpora) > 1 else corpora[0], runs / run_name(name, cfg, args.init_head),
+                              cfg, init_head=args.init_head, log=print,
                               progress=not args.tiny)
         if summary["step"] < args.steps:
             print(f"{name}: stopped at step {summary['step']} of {args.steps} (time limit); run again to continue")

@@ -140,3 +140,34 @@ def test_profile_verification_times_measure_every_part():
     for c in ver["ms"].values():
         assert set(c) == {"pass", "probs", "rrs", "rrs_wor", "rrs_dense", "rrs_wor_dense", "greedy"}
         assert min(c.values()) > 0
+
+
+def test_head_ablation_continued_from_a_head(tmp_path):
+    """--init-head: every variant starts from the given head with the recipe's base (depths 3), the run folder
+    names the starting head; a variant changing what the head fixes and a missing file are refused."""
+    import torch
+
+    from benchmarks import head_ablation
+    from treespec.distill.train import TrainConfig
+    from treespec.drafting.head import EagleHead, new_head
+    from treespec.models.tiny import tiny_model
+
+    target = tiny_model("gemma3", 64, seed=0, num_layers=4, logit_scale=6.0, max_positions=2048)  # as --tiny builds it
+    start = new_head(target, torch.arange(64), seed=5)
+    start.save(tmp_path / "start.safetensors")
+    common = ["--tiny", "--prompts", "3", "--new-tokens", "8", "--depths", "2", "--threads", "1", "--allow-dirty"]
+    out = tmp_path / "ablation"
+    assert head_ablation.main([*common, "--steps", "4", "--warmup", "1", "--variants", "base,tv",
+                               "--init-head", str(tmp_path / "start.safetensors"), "--out", str(out)]) == 0
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["complete"] and prov["ablation"]["base"]["depths"] == 3 and prov["ablation"]["base"]["warmup"] == 1
+    tv = json.loads((out / "variant-tv.json").read_text())
+    assert tv["changes"] == {"w_tv": 1.0} and tv["train_summary"]["step"] == 4
+    assert "| tv |" in (out / "table.md").read_text()
+    cfg = TrainConfig(steps=4)
+    assert head_ablation.run_name("tv", cfg, tmp_path / "start.safetensors") != head_ablation.run_name("tv", cfg)
+    assert isinstance(EagleHead.load(tmp_path / "start.safetensors", target), EagleHead)
+    assert head_ablation.main([*common, "--variants", "vocab8k", "--init-head", str(tmp_path / "start.safetensors"),
+                               "--out", str(tmp_path / "x")]) == 2
+    assert head_ablation.main([*common, "--variants", "tv", "--init-head", str(tmp_path / "none.safetensors"),
+                               "--out", str(tmp_path / "y")]) == 2

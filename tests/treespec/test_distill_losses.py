@@ -78,3 +78,60 @@ def test_bad_shapes_are_named():
     logits, soft, hard, _ = _case()
     with pytest.raises(ValueError, match="expected logits and soft"):
         L.subset_distill_losses(logits, soft[:, :5], hard)
+
+
+def _run_tv(fn, logits, soft, keep):
+    z = logits.clone().requires_grad_(True)
+    with torch.enable_grad():
+        loss = fn(z, soft, keep)
+        (2.0 * loss).backward()
+    return loss.detach(), z.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 128, 1000])
+@pytest.mark.parametrize("keep", [False, True])
+def test_tv_loss_equals_the_composite_reference(chunk, keep):
+    """Value and gradient (a scaled upstream gradient) of the chunked TV loss against autograd through
+    softmax and minimum, float32, kept rows only."""
+    logits, soft, _, keep_rows = _case(keep=keep)
+    fused = _run_tv(lambda z, s, k: L.subset_tv_loss(z, s, k, chunk=chunk), logits, soft, keep_rows)
+    ref = _run_tv(L.subset_tv_loss_reference, logits, soft, keep_rows)
+    assert torch.allclose(fused[0], ref[0], rtol=1e-5, atol=1e-7)
+    assert torch.allclose(fused[1], ref[1], rtol=1e-5, atol=1e-8), (fused[1] - ref[1]).abs().max()
+    if keep:
+        assert fused[1][~keep_rows].abs().max() == 0  # rows left out get no gradient
+
+
+def test_tv_loss_is_one_minus_the_acceptance():
+    """Closed forms: q = w gives 0; disjoint supports give 1; with bf16 logits the gradient comes back in bf16."""
+    w = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    assert float(L.subset_tv_loss(torch.log(torch.tensor([[0.5, 0.5, 1e-30], [1e-30, 1e-30, 1.0]])), w)) < 1e-6
+    assert abs(float(L.subset_tv_loss(torch.tensor([[0.0, 0.0, 60.0], [60.0, 0.0, 0.0]]), w)) - 1.0) < 1e-6
+    logits, soft, _, keep = _case(dtype=torch.bfloat16, keep=True)
+    fused = _run_tv(L.subset_tv_loss, logits, soft, keep)
+    ref = _run_tv(L.subset_tv_loss_reference, logits.float(), soft, keep)
+    assert fused[1].dtype == torch.bfloat16 and torch.allclose(fused[0], ref[0], rtol=1e-5)
+    assert torch.allclose(fused[1].float(), ref[1], rtol=1e-2, atol=1e-6)
+
+
+class _BrokenTVGradient(L._SubsetTV):
+    @staticmethod
+    def backward(ctx, g_tv):
+        logits, soft, keep, lse, n_keep = ctx.saved_tensors
+        q = torch.exp(logits.float() - lse[:, None])
+        under = q * (q < soft.float())
+        return (g_tv / n_keep * keep.float()[:, None] * -under).to(logits.dtype), None, None, None  # no q * sum(u)
+
+
+def test_a_broken_tv_gradient_fails_the_comparison():
+    logits, soft, _, keep = _case(keep=True)
+    broken = _run_tv(lambda z, s, k: _BrokenTVGradient.apply(z, s, k, 128), logits, soft, keep)
+    ref = _run_tv(L.subset_tv_loss_reference, logits, soft, keep)
+    assert torch.allclose(broken[0], ref[0], rtol=1e-5)
+    assert not torch.allclose(broken[1], ref[1], rtol=1e-5, atol=1e-8)
+
+
+def test_tv_loss_bad_shapes_are_named():
+    logits, soft, _, _ = _case()
+    with pytest.raises(ValueError, match="expected logits and soft"):
+        L.subset_tv_loss(logits, soft[:, :5])

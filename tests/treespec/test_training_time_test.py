@@ -8,7 +8,8 @@ Tiny random Gemma-3 target and corpus of test_distill. What is checked:
    alone, each depth's soft loss a plain cross-entropy over the entries that have a root inside the
    window, weights ``0.8 ** (k - 1)`` normalised), with top-k and with subset labels (computed once
    and shared by every depth), and differs from broken references that keep the rootless entries or
-   read the subset labels one entry off; bf16 logits stay within rounding of float32;
+   read the subset labels one entry off; the same for the total-variation loss and the weighted total;
+   bf16 logits stay within rounding of float32;
 3. training at depths 1..3 lowers the depth-3 loss below what training at depth 1 alone reaches
    from the same start and steps (the point of the training-time test). That ``unroll`` is what the
    runner computes in a tree is tested in test_head_runner (``head_depth_logits`` uses it).
@@ -56,10 +57,10 @@ def _reference_losses(head, batch, cfg, keep_rootless: bool = False, label_shift
     ``keep_rootless`` keeps entries without a root in the window; ``label_shift`` reads entry ``j``'s
     subset label at ``j - label_shift``."""
     weights = [cfg.depth_decay ** k for k in range(cfg.depths)]
-    total = {"soft": 0.0, "hard": 0.0, "feat": 0.0}
+    total = {"soft": 0.0, "hard": 0.0, "feat": 0.0, "tv": 0.0}
     sub_index = {int(t): i for i, t in enumerate(head.vocab_ids)}
     for k in range(1, cfg.depths + 1):
-        soft, hard, err, ref = [], [], 0.0, 0.0
+        soft, hard, tv, err, ref = [], [], [], 0.0, 0.0
         for b in range(batch["mask"].shape[0]):
             t = int(batch["mask"][b].sum())
             feats = head.unroll(batch["hidden_in"][b:b + 1, :t], batch["tokens"][b:b + 1, :t],
@@ -75,6 +76,7 @@ def _reference_losses(head, batch, cfg, keep_rootless: bool = False, label_shift
                     w = w[head.vocab_ids]
                     w = w / w.sum()
                 soft.append(-(w * logq).sum())
+                tv.append(1.0 - torch.minimum(w, logq.exp()).sum())
                 nxt = int(batch["next"][b, j])
                 if nxt in sub_index:  # a next token inside the subset (-1: none)
                     hard.append(-logq[sub_index[nxt]])
@@ -83,7 +85,10 @@ def _reference_losses(head, batch, cfg, keep_rootless: bool = False, label_shift
         total["soft"] += weights[k - 1] * float(torch.stack(soft).mean())
         total["hard"] += weights[k - 1] * (float(torch.stack(hard).mean()) if hard else 0.0)
         total["feat"] += weights[k - 1] * err / ref
-    return {name: v / sum(weights) for name, v in total.items()}
+        total["tv"] += weights[k - 1] * float(torch.stack(tv).mean())
+    out = {name: v / sum(weights) for name, v in total.items()}
+    out["total"] = sum(getattr(cfg, f"w_{name}") * out[name] for name in ("soft", "hard", "feat", "tv"))
+    return out
 
 
 @pytest.mark.parametrize("soft,broken", [("topk", None), ("topk", "rootless"), ("subset", None),
@@ -93,7 +98,7 @@ def test_depth_losses_equal_a_slow_reference(corpus, trained, soft, broken):  # 
     the entry-by-entry reference in float32; each broken reference differs from them."""
     _, head, _ = trained
     cfg, batch = _batch(corpus[0])
-    cfg = TrainConfig(**{**cfg.__dict__, "soft": soft, "amp": "off"})
+    cfg = TrainConfig(**{**cfg.__dict__, "soft": soft, "amp": "off", "w_tv": 0.5})
     sub_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
     sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
     with torch.no_grad():
@@ -103,7 +108,7 @@ def test_depth_losses_equal_a_slow_reference(corpus, trained, soft, broken):  # 
     if broken:
         assert abs(fast["soft"] - ref["soft"]) > 1e-4, f"the reference with {broken} must differ"
     else:
-        for name in ("soft", "hard", "feat"):
+        for name in ("soft", "hard", "feat", "tv", "total"):
             assert abs(fast[name] - ref[name]) < 1e-4 * max(1.0, abs(ref[name])), (name, fast[name], ref[name])
 
 

@@ -30,7 +30,7 @@ from ..files import atomic_write_json, remove_stale_temporaries
 from ..models.features import normalise_feature_layers
 from .corpus import load_manifest
 from .inputs import DistillInputError, load_checkpoint, read_head_file, require_dir
-from .losses import subset_distill_losses
+from .losses import subset_distill_losses, subset_tv_loss
 from .loop import LoopConfig, latest_checkpoint, open_run, run_loop
 
 CKPT_NAME = "ckpt-{step}.pt"  # the newest ``keep_ckpts`` are kept
@@ -54,6 +54,7 @@ class TrainConfig:
     w_soft: float = 1.0
     w_hard: float = 0.1
     w_feat: float = 0.5
+    w_tv: float = 0.0  # total-variation loss (1 - sum min(p, q) on the subset: the acceptance itself)
     soft: str = "subset"  # "subset" | "topk"
     vocab_size: int = 16384  # draft vocabulary subset size
     num_heads: int = 8
@@ -80,7 +81,7 @@ class TrainConfig:
                      "keep_ckpts", "depths"):
             if getattr(self, name) < 1:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "weight_decay", "w_soft", "w_hard", "w_feat", "feature_noise", "depth_decay"):
+        for name in ("warmup", "weight_decay", "w_soft", "w_hard", "w_feat", "w_tv", "feature_noise", "depth_decay"):
             if not getattr(self, name) >= 0:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or not self.grad_clip > 0:
@@ -274,12 +275,16 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
         keep = entry >= k - 1  # [P]: depth k has a root inside the window (the other rows count for nothing)
         if not bool(keep.any()):
             continue
-        part = _depth_losses(head, feat_k.float()[m1], keep, target_h, soft, hard, target_top1, logits_ctx)
-        for name in ("soft", "hard", "feat"):
-            losses[name] = losses.get(name, 0.0) + part[name] * (w / norm)
+        part = _depth_losses(head, feat_k.float()[m1], keep, target_h, soft, hard, target_top1, logits_ctx,
+                             tv=cfg.w_tv > 0)
+        for name in ("soft", "hard", "feat", "tv"):
+            if name in part:
+                losses[name] = losses.get(name, 0.0) + part[name] * (w / norm)
         losses[f"agree_d{k}"] = part["agree"]
     losses["agree"] = losses["agree_d1"]
     losses["total"] = cfg.w_soft * losses["soft"] + cfg.w_hard * losses["hard"] + cfg.w_feat * losses["feat"]
+    if "tv" in losses:
+        losses["total"] = losses["total"] + cfg.w_tv * losses["tv"]
     return losses
 
 
@@ -307,14 +312,17 @@ def _soft_labels(head: EagleHead, b: dict, m: torch.Tensor, cfg: TrainConfig, su
 
 def _depth_losses(head: EagleHead, feat: torch.Tensor, keep: torch.Tensor, target_h: torch.Tensor,
                   soft: torch.Tensor, hard: torch.Tensor, target_top1: torch.Tensor,
-                  logits_ctx=nullcontext()) -> dict[str, torch.Tensor]:
+                  logits_ctx=nullcontext(), tv: bool = False) -> dict[str, torch.Tensor]:
     """soft / hard / feature losses and top-1 agreement of features ``feat`` ``[P, H]``, averaged over the rows
     ``keep`` ``[P]``, against the target's ``h_j`` ``target_h`` ``[P, H]``, soft labels ``soft`` ``[P, |S|]``,
-    hard labels ``hard`` ``[P]`` (subset index or -1) and top-1 tokens ``target_top1`` ``[P]``."""
+    hard labels ``hard`` ``[P]`` (subset index or -1) and top-1 tokens ``target_top1`` ``[P]``; with ``tv``
+    also the total-variation loss against the soft labels (:func:`~.losses.subset_tv_loss`)."""
     with logits_ctx:
         logits = head.logits(feat, float32=False)  # [P, |S|] (bf16 under autocast)
     losses = {}
     losses["soft"], losses["hard"], top1 = subset_distill_losses(logits, soft, hard, keep)
+    if tv:
+        losses["tv"] = subset_tv_loss(logits, soft, keep)
     kept = keep.float()[:, None]  # [P, 1]
     losses["feat"] = ((feat - target_h).pow(2) * kept).sum() / (target_h.pow(2) * kept).sum().clamp(min=1e-12)
     losses["agree"] = ((head.vocab_ids[top1] == target_top1).float() * keep).sum() / keep.sum()
