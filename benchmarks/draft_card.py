@@ -195,7 +195,8 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
            f"{continues[1].get('commit', '?')}), trained before for {earlier_training(continues[1])}; the "
            f"steps below are this run's, {corpora_change(continues[1], corpora)}."] if continues else []),
         f"- Steps: {summary.get('step')} x {tc.get('batch_size')} windows of up to {tc.get('seq_len')} positions, "
-        f"AdamW lr {tc.get('lr')} (cosine), feature noise {tc.get('feature_noise')}, seed {tc.get('seed')}.",
+        f"AdamW lr {tc.get('lr')} (cosine), feature noise {tc.get('feature_noise')}, seed {tc.get('seed')}; loss weights "
+        f"soft {tc.get('w_soft')}, hard {tc.get('w_hard')}, feature {tc.get('w_feat')}, total variation {tc.get('w_tv', 0.0)}.",
         *([f"- Training-time test (EAGLE-3, arXiv 2503.01840): the head is unrolled on its own features for "
            f"{tc['depths']} steps and every depth is trained (loss weight x{tc.get('depth_decay')} per depth)."]
           if (tc.get("depths") or 1) > 1 else []),

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
+from treespec.distill.cli import _int_list  # noqa: E402
 
 #: one change at a time against "base" (the v1 recipe's options on the v2 corpus)
 VARIANTS: dict[str, dict] = {
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=None, help="minutes of training per variant per call")
-    ap.add_argument("--max-shards", default=None,
+    ap.add_argument("--max-shards", type=_int_list, default=None,
                     help="train every variant on the first N shards of each corpus (pins a corpus that is still growing); "
                          "N1,N2: one count per corpus")
     ap.add_argument("--init-head", default=None,
@@ -198,8 +199,12 @@ def _main(args, tmp: Path | None) -> int:
         if not Path(args.init_head).is_file():
             print(f"head_ablation: --init-head {args.init_head}: no such file", file=sys.stderr)
             return 2
-    max_shards = None if args.max_shards is None else \
-        tuple(int(x) for x in str(args.max_shards).split(",")) if "," in str(args.max_shards) else int(args.max_shards)
+    max_shards = None if not args.max_shards else args.max_shards[0] if len(args.max_shards) == 1 else args.max_shards
+    try:  # every option checked before a results folder exists
+        TrainConfig(**{**base, "max_shards": max_shards})
+    except ValueError as err:
+        print(f"head_ablation: {err}", file=sys.stderr)
+        return 2
     corpora = [Path(c) for c in args.corpus.split(",")] if args.corpus else \
         [p for p in (distill_root() / "corpus" / "head-v2-greedy-f2-9", distill_root() / "corpus" / "head-v2-sample-f2-9")
          if (p / "manifest.json").exists()]

@@ -149,7 +149,7 @@ def test_head_ablation_continued_from_a_head(tmp_path):
 
     from benchmarks import head_ablation
     from treespec.distill.train import TrainConfig
-    from treespec.drafting.head import EagleHead, new_head
+    from treespec.drafting.head import new_head
     from treespec.models.tiny import tiny_model
 
     target = tiny_model("gemma3", 64, seed=0, num_layers=4, logit_scale=6.0, max_positions=2048)  # as --tiny builds it
@@ -163,11 +163,46 @@ def test_head_ablation_continued_from_a_head(tmp_path):
     assert prov["complete"] and prov["ablation"]["base"]["depths"] == 3 and prov["ablation"]["base"]["warmup"] == 1
     tv = json.loads((out / "variant-tv.json").read_text())
     assert tv["changes"] == {"w_tv": 1.0} and tv["train_summary"]["step"] == 4
+    assert "agree_d3" in tv["train_summary"]["ema"] and "tv" in tv["train_summary"]["ema"]  # trained at depths 3, with tv
+    assert "tv" not in json.loads((out / "variant-base.json").read_text())["train_summary"]["ema"]
     assert "| tv |" in (out / "table.md").read_text()
+    other = new_head(target, torch.arange(64), seed=6)
+    other.save(tmp_path / "other.safetensors")
     cfg = TrainConfig(steps=4)
-    assert head_ablation.run_name("tv", cfg, tmp_path / "start.safetensors") != head_ablation.run_name("tv", cfg)
-    assert isinstance(EagleHead.load(tmp_path / "start.safetensors", target), EagleHead)
+    names = {head_ablation.run_name("tv", cfg, tmp_path / f) for f in ("start.safetensors", "other.safetensors")}
+    assert len(names | {head_ablation.run_name("tv", cfg)}) == 3  # the starting head's bytes name the run
     assert head_ablation.main([*common, "--variants", "vocab8k", "--init-head", str(tmp_path / "start.safetensors"),
                                "--out", str(tmp_path / "x")]) == 2
     assert head_ablation.main([*common, "--variants", "tv", "--init-head", str(tmp_path / "none.safetensors"),
                                "--out", str(tmp_path / "y")]) == 2
+    assert head_ablation.main([*common, "--variants", "tv", "--max-shards", "0", "--out", str(tmp_path / "z")]) == 2
+    assert not any((tmp_path / d).exists() for d in ("x", "y", "z"))  # refused before a results folder exists
+
+
+def test_head_ablation_starts_every_variant_from_the_head(tmp_path, monkeypatch):
+    """With --init-head, train() receives the head file and the continued base (depths 3, lr 5e-4) for every variant."""
+    import importlib
+
+    import torch
+
+    from benchmarks import head_ablation
+    from treespec.drafting.head import new_head
+    from treespec.models.tiny import tiny_model
+
+    target = tiny_model("gemma3", 64, seed=0, num_layers=4, logit_scale=6.0, max_positions=2048)
+    new_head(target, torch.arange(64), seed=5).save(tmp_path / "start.safetensors")
+    train_module = importlib.import_module("treespec.distill.train")  # the module (the package exports a function of that name)
+    calls = []
+    real = train_module.train
+
+    def spy(target, corpus, run_dir, cfg, **kw):
+        calls.append((cfg, kw.get("init_head")))
+        return real(target, corpus, run_dir, cfg, **kw)
+
+    monkeypatch.setattr(train_module, "train", spy)
+    assert head_ablation.main(["--tiny", "--prompts", "2", "--new-tokens", "4", "--depths", "1", "--threads", "1",
+                               "--allow-dirty", "--steps", "2", "--warmup", "1", "--variants", "base,tv",
+                               "--init-head", str(tmp_path / "start.safetensors"), "--out", str(tmp_path / "o")]) == 0
+    assert [str(c[1]) for c in calls] == [str(tmp_path / "start.safetensors")] * 2
+    assert all(c[0].depths == 3 and c[0].lr == 5e-4 and c[0].warmup == 1 for c in calls)
+    assert [c[0].w_tv for c in calls] == [0.0, 1.0]

@@ -231,3 +231,24 @@ def test_depth_metrics_by_group_equal_separate_calls(target, trained):  # noqa: 
             assert abs(part["sum_min_pq_by_depth"][k] - alone["sum_min_pq_by_depth"][k]) < 1e-6
     with pytest.raises(ValueError, match="groups"):
         depth_metrics(target, head, ps, gens, depths=1, groups=labels[:3])
+
+
+def test_tv_loss_reaches_the_head_parameters(corpus, trained):  # noqa: F811
+    """With w_tv > 0 the total's gradient on the head's parameters is the one without it plus w_tv times the TV
+    loss' own gradient (a detached TV term would leave it unchanged)."""
+    _, head, _ = trained
+    cfg, batch = _batch(corpus[0])
+    sub_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
+    sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    def grads(w_tv: float, key: str = "total") -> torch.Tensor:
+        run_cfg = TrainConfig(**{**cfg.__dict__, "soft": "subset", "amp": "off", "feature_noise": 0.0, "w_tv": w_tv})
+        with torch.enable_grad():
+            loss = compute_losses(head, batch, run_cfg, sub_index)[key]
+            g = torch.autograd.grad(loss, params, allow_unused=True)
+        return torch.cat([(x if x is not None else torch.zeros_like(p)).flatten() for x, p in zip(g, params)])
+
+    plain, with_tv, tv_only = grads(0.0), grads(2.0), grads(2.0, "tv")
+    assert tv_only.abs().max() > 0
+    assert torch.allclose(with_tv, plain + 2.0 * tv_only, rtol=1e-4, atol=1e-7)

@@ -163,7 +163,8 @@ def subset_tv_loss(logits: torch.Tensor, soft: torch.Tensor, keep: torch.Tensor 
 
     .. math:: \partial L_{tv} / \partial z_{ij} = \frac{1}{K} \Big(q_{ij} \sum_s u_{is} - u_{ij}\Big)
 
-    on the ``K`` kept rows, 0 elsewhere.
+    on the ``K`` kept rows, 0 elsewhere (no kept row: 1.0, no gradient). It reads the logits once more forward
+    and backward than :func:`subset_distill_losses` (about 7% of a head-v2 training step on a CPU).
 
     Parameters
     ----------

@@ -417,8 +417,8 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
         return compute_losses(head, batch, cfg, sub_index, autocast)
 
     def on_step(step: int, losses: dict) -> None:
-        for k in ("total", "soft", "feat", "agree", *(f"agree_d{d}" for d in range(2, cfg.depths + 1))):
-            if k not in losses:  # a batch of windows shorter than depth k
+        for k in ("total", "soft", "feat", "tv", "agree", *(f"agree_d{d}" for d in range(2, cfg.depths + 1))):
+            if k not in losses:  # a batch of windows shorter than depth k; "tv" only with w_tv > 0
                 continue
             v = float(losses[k].detach())
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
