@@ -19,7 +19,8 @@
 # STAGE=corpus|train|all (default all), MINUTES per step (default 60), THREADS (default 1), PIN (shards per corpus),
 # STEPS (training steps), RUN (run name, default head-v2), INIT (a head file a NEW run starts from, e.g. the
 # shipped treespec/assets/gemma3-270m-head.safetensors: continued training), LR (default 0.001), WARMUP (default 200),
-# SEED (default 0; it orders the batches: give a continued run another seed, so that it reads the data in another order).
+# SEED (default 0; it orders the batches: give a continued run another seed, so that it reads the data in another order),
+# W_TV (default 0: weight of the total-variation loss).
 #
 # Only the repository survives between sessions: the cache (shards, checkpoints) can be gone at the next
 # start, and a session lasts 3 hours. Session 16's 4,000-step run on PIN=47,21 (2.8M positions, ~2.5 h of two
@@ -58,6 +59,7 @@ RUN="${RUN:-head-v2}"
 LR="${LR:-0.001}"
 WARMUP="${WARMUP:-200}"
 SEED="${SEED:-0}"
+W_TV="${W_TV:-0}"  # weight of the total-variation loss (1 - sum min(p, q)); 0 in every run before head-v2-cont3
 init=()
 [ -n "${INIT:-}" ] && init=(--init-head "$INIT")  # ignored by a run that already has checkpoints (it resumes)
 corpora=()
@@ -75,6 +77,6 @@ done
 if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
     (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run "$RUN" "${init[@]}" \
         --vocab-size 16384 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
-        --steps "$STEPS" --batch-size 8 --seq-len 256 --lr "$LR" --warmup "$WARMUP" --ckpt-every 100 --max-shards "$PIN" --seed "$SEED" \
+        --steps "$STEPS" --batch-size 8 --seq-len 256 --lr "$LR" --warmup "$WARMUP" --ckpt-every 100 --max-shards "$PIN" --seed "$SEED" --w-tv "$W_TV" \
         --amp auto --dtype auto --threads "$THREADS" --time-limit "$MINUTES" --no-progress)
 fi
