@@ -44,6 +44,14 @@
 #     THREADS=2 recipes/head_v2_train.sh
 #   python -m treespec.distill export --run head-v2-cont2 --out treespec/assets/gemma3-270m-head.safetensors
 # (the continued head is the file committed before this one: git show 9877c69:treespec/assets/gemma3-270m-head.safetensors).
+# Third continuation (session 22): sampled chunks 21-39 generated (stage 1, ~3 minutes a chunk of 128 prompts on one
+# core; the sampled corpus is complete: 5,000 sequences, 1,435,405 positions), their stage 2 built, then 1,500 more
+# steps from the head above on all 47 + 40 shards (3.44M positions), 36 minutes on two threads of an AMD EPYC:
+#   MINUTES=55 recipes/head_v2_continuations.sh; STAGE=corpus recipes/head_v2_train.sh
+#   STAGE=train RUN=head-v2-cont3 INIT=treespec/assets/gemma3-270m-head.safetensors SEED=3 LR=0.0005 WARMUP=50 \
+#     STEPS=1500 PIN=47,40 THREADS=2 MINUTES=70 recipes/head_v2_train.sh
+#   python -m treespec.distill export --run head-v2-cont3 --out treespec/assets/gemma3-270m-head.safetensors
+# (the head it continued: git show 6bb6abc:treespec/assets/gemma3-270m-head.safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
@@ -53,7 +61,7 @@ PY="${PY:-.venv/bin/python}"
 CONT="${CONT:-corpora/head-v2/continuations}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
-PIN="${PIN:-47,21}"  # shards of the greedy (all 6,000 sequences) and the sampled corpus (chunks 0-20) the run reads
+PIN="${PIN:-47,40}"  # shards of the greedy (all 6,000 sequences) and the sampled corpus (all 5,000) the run reads
 STEPS="${STEPS:-4000}"
 RUN="${RUN:-head-v2}"
 LR="${LR:-0.001}"
