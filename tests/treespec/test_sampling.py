@@ -97,3 +97,29 @@ def test_point_masses_and_shapes():
     assert out.shape == (2, 3, 4) and out.dtype == torch.long and int(out.max()) < V
     with pytest.raises(ValueError, match="num_draws"):
         draw(batch, g, num_draws=0)
+
+
+def _last_argmax(scores: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """A broken twin of ``first_argmax``: the LAST maximal index (ties to the highest id)."""
+    n = scores.shape[dim]
+    return (n - 1) - scores.flip(dim).argmax(dim=dim, keepdim=keepdim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_equals_argmax_on_ties(dtype):
+    """``first_argmax`` (``torch.max(dim)``) is ``argmax``: first maximal index on ties (ties to the lowest
+    token id, which greedy decoding relies on), along either dim, with keepdim, on a full-vocabulary row;
+    a row with NaN gives NaN's index in both. The last-index twin fails the tie check."""
+    from treespec.sampling import first_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 262_144, generator=gen).to(dtype)
+    x[:, 7] = x[:, 200_000] = 40.0  # two maximal entries per row
+    x[2, 7] = x[2, 200_000] = float("-inf")
+    x[3, :] = 1.0  # all equal: index 0
+    x[4, 99] = float("nan")
+    for fn, ok in ((first_argmax, True), (_last_argmax, False)):
+        same = torch.equal(fn(x), x.argmax(dim=-1)) and torch.equal(fn(x.T, dim=0, keepdim=True),
+                                                                     x.T.argmax(dim=0, keepdim=True))
+        assert same is ok
+    assert first_argmax(x).tolist()[:5] == [7, 7, int(x[2].float().argmax()), 0, 99]

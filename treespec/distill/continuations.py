@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..files import atomic_write_json, remove_stale_temporaries
-from ..sampling import draw
+from ..sampling import draw, first_argmax
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -75,7 +75,7 @@ def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 def _pick(logits: torch.Tensor, opts: ContinuationOptions, generator: torch.Generator | None) -> torch.Tensor:
     """``[B, V]`` float32 logits -> ``[B]`` next tokens (argmax, or an exact draw at the temperature)."""
     if opts.mode == "greedy":
-        return logits.argmax(dim=-1)
+        return first_argmax(logits)
     return draw(torch.softmax(logits / opts.temperature, dim=-1), generator)[:, 0]
 
 

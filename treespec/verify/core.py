@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from ..sampling import draw
+from ..sampling import draw, first_argmax
 from ..tree import TokenTree
 
 @dataclass(frozen=True)
@@ -155,8 +155,9 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
         kids = children[internal]  # [M, K]
         valid = kids >= 0
         child_tokens = torch.where(valid, tree.tokens[kids.clamp(min=0)], torch.zeros_like(kids))
-        p = target_probs[internal]  # [M, V]
-        q = draft_probs[internal] if draft_probs is not None else None  # [M, V]
+        # index_select copies whole rows (about twice as fast as advanced indexing on [M, V] here)
+        p = target_probs.index_select(0, internal)  # [M, V]
+        q = draft_probs.index_select(0, internal) if draft_probs is not None else None  # [M, V]
         choice_probs, residual = rule(p, q, child_tokens, valid)  # [M, K+1], [M, V]
         choice_probs = choice_probs.clamp(min=0)
         cum = choice_probs.cumsum(dim=1)
@@ -180,7 +181,7 @@ def verify_tree_greedy(tree: TokenTree, scores: torch.Tensor) -> VerifyResult:
     The fast path of :func:`verify_tree` with :func:`treespec.verify.rules.greedy_rule`: no
     ``[M, V]`` work beyond one argmax, no sampling. Tested against the rule-based path.
     """
-    best = scores.argmax(dim=-1)  # [n] the target's greedy token after each node
+    best = first_argmax(scores)  # [n] the target's greedy token after each node
     kids = tree.children  # [n, K]
     match = (kids >= 0) & (tree.tokens[kids.clamp(min=0)] == best[:, None])  # [n, K]
     first = match.to(torch.int8).argmax(dim=1, keepdim=True)  # first matching child

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import first_argmax
 from .rules import _normalise, _ratio
 
 
@@ -45,7 +46,7 @@ def hub_and_second_law(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Shared with the drafter so that the law sampled from and the law verified against agree.
     """
-    a = q.argmax(dim=1, keepdim=True)  # [M, 1] first maximal index
+    a = first_argmax(q, dim=1, keepdim=True)  # [M, 1] first maximal index
     not_a = torch.ones_like(q, dtype=torch.bool).scatter_(1, a, False)  # [M, V]
     rest, ok = _normalise(q * not_a)
     uniform, _ = _normalise(not_a.to(q.dtype))
