@@ -10,8 +10,9 @@
 # on one core of an AMD EPYC with avx512_bf16, depending on what shares the machine.
 # v3-sample (added in session 23, once all 11,000 rows had one continuation each): a second, sampled (T=1,
 # another seed) continuation of rows 0:6000, whose v2 continuation is greedy: new text of the target on
-# prompts the head has seen, for a head that fits its training text better than held-out text (EMA top-1
-# 0.75 on training batches against 0.66 on held-out train rows, ablation/2026-11-26-ad39277).
+# prompts the head has seen, for a head that fits its training text better than held-out text (training-batch
+# EMA top-1 0.74 against 0.66 on held-out train rows, ablation/2026-11-26-ad39277). Training reads it once
+# recipes/head_v2_train.sh lists it (and PIN gets a third value).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-120}"

@@ -53,14 +53,15 @@
 #   python -m treespec.distill export --run head-v2-cont3 --out treespec/assets/gemma3-270m-head.safetensors
 # (the head it continued: git show 6bb6abc:treespec/assets/gemma3-270m-head.safetensors).
 # Fourth continuation (session 23, an Intel Xeon with AMX): the cache was gone, so stage 2 was rebuilt first (all 87
-# shards, ~35 s a shard on one core), then 1,300 steps from the head above on the same 47 + 40 shards, on ONE thread
+# shards, ~30 s a shard on one core), then 1,300 steps from the head above on the same 47 + 40 shards, on ONE thread
 # (2.5 s a step, 54 minutes) while stage 1 of v3-sample ran on the other core:
 #   STAGE=corpus THREADS=1 recipes/head_v2_train.sh
 #   STAGE=train RUN=head-v2-cont4 INIT=treespec/assets/gemma3-270m-head.safetensors SEED=4 LR=0.0005 WARMUP=50 \
 #     STEPS=1300 PIN=47,40 THREADS=1 MINUTES=80 recipes/head_v2_train.sh
 #   python -m treespec.distill export --run head-v2-cont4 --out treespec/assets/gemma3-270m-head.safetensors
 # (the head it continued: git show 7a82a7c:treespec/assets/gemma3-270m-head.safetensors). v3-sample (stage 1,
-# recipes/head_v2_continuations.sh) is not read by any run yet: add it to the corpus list below once it is complete.
+# recipes/head_v2_continuations.sh) is not read by any run yet: add it to the corpus list below (and a third PIN
+# value) once it is complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"

@@ -155,7 +155,7 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
         kids = children[internal]  # [M, K]
         valid = kids >= 0
         child_tokens = torch.where(valid, tree.tokens[kids.clamp(min=0)], torch.zeros_like(kids))
-        # index_select copies whole rows (about twice as fast as advanced indexing on [M, V] here)
+        # index_select: a plain copy of whole rows (advanced indexing takes the general gather kernel)
         p = target_probs.index_select(0, internal)  # [M, V]
         q = draft_probs.index_select(0, internal) if draft_probs is not None else None  # [M, V]
         choice_probs, residual = rule(p, q, child_tokens, valid)  # [M, K+1], [M, V]
