@@ -10,9 +10,7 @@
 # on one core of an AMD EPYC with avx512_bf16, depending on what shares the machine.
 # v3-sample (added in session 23, once all 11,000 rows had one continuation each): a second, sampled (T=1,
 # another seed) continuation of rows 0:6000, whose v2 continuation is greedy: new text of the target on
-# prompts the head has seen, for a head that fits its training text better than held-out text (training-batch
-# EMA top-1 0.74 against 0.66 on held-out train rows, ablation/2026-11-26-ad39277). Training reads it once
-# recipes/head_v2_train.sh lists it (and PIN gets a third value).
+# prompts the head has seen (complete since session 24; recipes/head_v2_train.sh lists it, PIN's third value).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-120}"

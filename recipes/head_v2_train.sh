@@ -59,9 +59,18 @@
 #   STAGE=train RUN=head-v2-cont4 INIT=treespec/assets/gemma3-270m-head.safetensors SEED=4 LR=0.0005 WARMUP=50 \
 #     STEPS=1300 PIN=47,40 THREADS=1 MINUTES=80 recipes/head_v2_train.sh
 #   python -m treespec.distill export --run head-v2-cont4 --out treespec/assets/gemma3-270m-head.safetensors
-# (the head it continued: git show 7a82a7c:treespec/assets/gemma3-270m-head.safetensors). v3-sample (stage 1,
-# recipes/head_v2_continuations.sh) is not read by any run yet: add it to the corpus list below (and a third PIN
-# value) once it is complete.
+# (the head it continued: git show 7a82a7c:treespec/assets/gemma3-270m-head.safetensors).
+# Fifth continuation (session 24, the same kind of Xeon): stage 2 of the first 24 chunks of v3-sample (a second,
+# sampled continuation of rows 0:6000; ~25 s a shard on one core), then 2,400 steps from the head above on
+# 47 + 40 + 24 shards (4.33M positions): 2,000 steps on ONE thread (~2.5 s a step) while stage 1 of v3-sample
+# finished on the other core, then the run was stopped after its step-2000 checkpoint and resumed on two threads
+# (~1.4 s a step) for the last 400:
+#   STAGE=corpus THREADS=1 MINUTES=40 recipes/head_v2_train.sh
+#   STAGE=train RUN=head-v2-cont5 INIT=treespec/assets/gemma3-270m-head.safetensors SEED=5 LR=0.0005 WARMUP=50 \
+#     STEPS=2400 PIN=47,40,24 THREADS=1 MINUTES=160 recipes/head_v2_train.sh   (then THREADS=2 to resume)
+#   python -m treespec.distill export --run head-v2-cont5 --out treespec/assets/gemma3-270m-head.safetensors
+# (the head it continued: git show 6c4a03d:treespec/assets/gemma3-270m-head.safetensors). v3-sample chunks 24-46
+# (stage 1 complete since 6c4a03d) are not read by any run yet: a next run raises the third PIN value to 47.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
@@ -71,7 +80,8 @@ PY="${PY:-.venv/bin/python}"
 CONT="${CONT:-corpora/head-v2/continuations}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
-PIN="${PIN:-47,40}"  # shards of the greedy (all 6,000 sequences) and the sampled corpus (all 5,000) the run reads
+PIN="${PIN:-47,40,24}"  # shards the run reads of each corpus: v2-greedy (all 6,000 sequences), v2-sample (all 5,000),
+# v3-sample (its first 24 chunks of 128 sequences: the ones finished when head-v2-cont5 started)
 STEPS="${STEPS:-4000}"
 RUN="${RUN:-head-v2}"
 LR="${LR:-0.001}"
@@ -81,7 +91,7 @@ W_TV="${W_TV:-0}"  # weight of the total-variation loss (1 - sum min(p, q)); 0 i
 init=()
 [ -n "${INIT:-}" ] && init=(--init-head "$INIT")  # ignored by a run that already has checkpoints (it resumes)
 corpora=()
-for spec in v2-greedy:0:6000 v2-sample:6000:11000; do
+for spec in v2-greedy:0:6000 v2-sample:6000:11000 v3-sample:0:6000; do
     name="${spec%%:*}"; rows="${spec#*:}"
     [ -f "$CONT/$name/manifest.json" ] || continue
     corpora+=("$CACHE/corpus/head-$name-f${LAYERS/,/-}")
