@@ -10,8 +10,9 @@
 #   Shards live in the cache (~3.9 KB a position); a lost cache is rebuilt from the committed chunks.
 # Stage 3: training the head from scratch on those shards with the training-time test (depths 1-3,
 #   EAGLE-3 arXiv 2503.01840); checkpoints in the cache, resumed by running the recipe again. The run trains
-#   on the first PIN shards of each corpus (greedy, sampled), so that continuations added later never change
-#   its data. Cost measured at commit c644d9f (bf16 autocast, subset logits in bf16, one thread of an AMD EPYC
+#   on the first PIN shards of each corpus (v2-greedy, v2-sample, v3-sample), so that continuations added later
+#   never change its data; a PIN of fewer values reads the first corpora only (PIN=47,40: the two v2 corpora, as
+#   the runs before v3-sample did). Cost measured at commit c644d9f (bf16 autocast, subset logits in bf16, one thread of an AMD EPYC
 #   with avx512_bf16): 4.8 s a step at --depths 3, 1.9 s at --depths 1; in float32 on a CPU without native
 #   bf16 expect several times more.
 #
@@ -67,10 +68,11 @@
 # (~1.4 s a step) for the last 400:
 #   STAGE=corpus THREADS=1 MINUTES=40 recipes/head_v2_train.sh
 #   STAGE=train RUN=head-v2-cont5 INIT=treespec/assets/gemma3-270m-head.safetensors SEED=5 LR=0.0005 WARMUP=50 \
-#     STEPS=2400 PIN=47,40,24 THREADS=1 MINUTES=160 recipes/head_v2_train.sh   (then THREADS=2 to resume)
+#     STEPS=2400 PIN=47,40,24 THREADS=1 MINUTES=160 recipes/head_v2_train.sh   (then THREADS=2 MINUTES=60 to resume)
 #   python -m treespec.distill export --run head-v2-cont5 --out treespec/assets/gemma3-270m-head.safetensors
 # (the head it continued: git show 6c4a03d:treespec/assets/gemma3-270m-head.safetensors). v3-sample chunks 24-46
-# (stage 1 complete since 6c4a03d) are not read by any run yet: a next run raises the third PIN value to 47.
+# (stage 1 complete since 6c4a03d) are not read by any run yet: a next run builds their stage 2 (STAGE=corpus)
+# and raises the third PIN value to 47.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
@@ -103,6 +105,9 @@ for spec in v2-greedy:0:6000 v2-sample:6000:11000 v3-sample:0:6000; do
     fi
 done
 if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
+    IFS=, read -ra pins <<< "$PIN"
+    # as many corpora as PIN gives counts (the runs before v3-sample: the first two); one count reads every corpus
+    [ "${#pins[@]}" -gt 1 ] && corpora=("${corpora[@]:0:${#pins[@]}}")
     (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run "$RUN" "${init[@]}" \
         --vocab-size 16384 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
         --steps "$STEPS" --batch-size 8 --seq-len 256 --lr "$LR" --warmup "$WARMUP" --ckpt-every 100 --max-shards "$PIN" --seed "$SEED" --w-tv "$W_TV" \
