@@ -9,7 +9,13 @@ optimizer and head tensors after training (the head file's metadata holds wall-c
 exported file with the same header and the same bytes after it (safetensors orders its metadata
 map by hash, differently on each write). No temporary file may remain. 20 seeded trials for
 corpus building and training, 60 for export (short); each test also checks that kills did land
-mid-run (partial corpora, resumed checkpoints, exports killed inside the file write).
+mid-run (partial corpora, resumed checkpoints).
+
+Random delays land inside a file write only by chance (an export's write is a few milliseconds), so
+corpus building, training and export also run deterministic trials: the child is killed at its N-th
+atomic write (:mod:`treespec.files`), with the temporary file complete but not yet moved onto its
+target, or cut to half its length (what a kill inside the write leaves); the target must keep its
+previous content and the next run must finish with the same result.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import time
 from pathlib import Path
@@ -34,7 +41,7 @@ from treespec.models.tiny import tiny_model
 pytestmark = pytest.mark.faults
 
 TRIALS = 20
-EXPORT_TRIALS = 60  # an export is ~0.05 s, its file write a small part of it: more trials to land inside
+EXPORT_TRIALS = 60  # an export is ~0.05 s: more trials, so that many kills land before it ends
 V = 96
 OPTS = CorpusOptions(topk=4, shard_positions=60, batch_size=2)
 CFG = TrainConfig(steps=40, batch_size=2, seq_len=16, lr=3e-3, warmup=5, vocab_size=64, num_heads=4,
@@ -70,6 +77,48 @@ def killed_run(work, delay: float) -> bool:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return True
+
+
+def killed_at_write(work, nth: int, half: bool) -> None:
+    """Run ``work()`` in a forked child and SIGKILL it at its ``nth`` atomic write (1-based), after the
+    temporary file is written and before it replaces the target; with ``half`` the temporary is first cut
+    to half its length, the state a kill inside the write leaves. Fails if the child writes fewer files."""
+    import treespec.files as files
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        calls = [0]
+        fsync = files._fsync
+
+        def stop_at_nth(path: Path) -> None:
+            calls[0] += 1
+            if calls[0] < nth:
+                return fsync(path)
+            if half:
+                os.truncate(path, os.path.getsize(path) // 2)
+            os.write(w, b"x")  # tell the parent: kill me now
+            time.sleep(600)
+
+        files._fsync = stop_at_nth
+        try:
+            with torch.enable_grad():
+                work()
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], 300)
+        reached = bool(ready) and os.read(r, 1) == b"x"  # b"" when the child ended without reaching it
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+    assert reached, f"the run ended before its write number {nth}"
+
+
+WRITE_KILLS = [(1, False), (2, True), (4, False), (7, True)]  # (n-th atomic write, cut the temporary in half)
 
 
 def safetensors_content(path: Path) -> tuple[dict, bytes]:
@@ -121,6 +170,16 @@ def test_corpus_survives_kill_9(target, tmp_path):
                 assert (out / name).read_bytes() == (ref / name).read_bytes(), (seed, name)
     print(f"corpus: {interrupted} of {TRIALS} runs killed, {partial} with a partial corpus, {mid_write} mid-write")
     assert interrupted >= TRIALS // 2 and partial >= 3, (interrupted, partial)
+    for nth, half in WRITE_KILLS:
+        out = tmp_path / f"write-{nth}"
+        killed_at_write(lambda: build_corpus(target, seqs(), out, OPTS, progress=False), nth, half)
+        assert temporaries(out), nth
+        build_corpus(target, seqs(), out, OPTS, progress=False)
+        assert sorted(p.name for p in out.iterdir()) == files, nth
+        assert _manifest(out) == _manifest(ref), nth
+        for name in files:
+            if name.endswith(".safetensors"):
+                assert (out / name).read_bytes() == (ref / name).read_bytes(), (nth, name)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +196,21 @@ def test_training_survives_kill_9(target, corpus, tmp_path):
         train(target, corpus, ref, CFG, **quiet)
     wall = forked_wall(lambda: train(target, corpus, tmp_path / "timing", CFG, **quiet))
     ref_ckpt = torch.load(ref / f"ckpt-{CFG.steps}.pt", weights_only=True)
+
+    def finish_and_compare(run: Path, trial) -> None:
+        with torch.enable_grad():
+            head, summary = train(target, corpus, run, CFG, **quiet)
+        assert summary["step"] == CFG.steps
+        assert not temporaries(run), (trial, temporaries(run))
+        state = torch.load(run / f"ckpt-{CFG.steps}.pt", weights_only=True)
+        for k, v in ref_ckpt["head"].items():
+            assert torch.equal(state["head"][k], v), (trial, k)
+        for k, v in ref_ckpt["optimizer"]["state"].items():
+            for name, t in v.items():
+                assert torch.equal(state["optimizer"]["state"][k][name], t), (trial, k, name)
+        got, want = load_file(run / "head.safetensors"), load_file(ref / "head.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), trial
+
     interrupted, resumed, mid_write = 0, 0, 0
     for seed in range(TRIALS):
         run = tmp_path / f"trial-{seed}"
@@ -144,21 +218,15 @@ def test_training_survives_kill_9(target, corpus, tmp_path):
                                   random.Random(seed).uniform(0, 1.1 * wall))
         mid_write += bool(temporaries(run)) if run.exists() else 0
         resumed += any(run.glob("ckpt-*.pt")) and not (run / f"ckpt-{CFG.steps}.pt").exists()
-        with torch.enable_grad():
-            head, summary = train(target, corpus, run, CFG, **quiet)
-        assert summary["step"] == CFG.steps
-        assert not temporaries(run), (seed, temporaries(run))
-        state = torch.load(run / f"ckpt-{CFG.steps}.pt", weights_only=True)
-        for k, v in ref_ckpt["head"].items():
-            assert torch.equal(state["head"][k], v), (seed, k)
-        for k, v in ref_ckpt["optimizer"]["state"].items():
-            for name, t in v.items():
-                assert torch.equal(state["optimizer"]["state"][k][name], t), (seed, k, name)
-        got, want = load_file(run / "head.safetensors"), load_file(ref / "head.safetensors")
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), seed
+        finish_and_compare(run, seed)
     print(f"training: {interrupted} of {TRIALS} runs killed, {resumed} resumed from a checkpoint, "
           f"{mid_write} mid-write")
     assert interrupted >= TRIALS // 2 and resumed >= 3, (interrupted, resumed)
+    for nth, half in WRITE_KILLS:
+        run = tmp_path / f"write-{nth}"
+        killed_at_write(lambda: train(target, corpus, run, CFG, **quiet), nth, half)
+        assert temporaries(run), nth
+        finish_and_compare(run, f"write {nth}")
 
 
 def test_export_survives_kill_9(target, corpus, tmp_path):
@@ -182,7 +250,21 @@ def test_export_survives_kill_9(target, corpus, tmp_path):
         assert safetensors_content(out) == safetensors_content(ref), seed
         assert not temporaries(folder), (seed, temporaries(folder))
     print(f"export: {interrupted} of {EXPORT_TRIALS} runs killed, {mid_write} in the middle of the write")
-    assert interrupted >= EXPORT_TRIALS // 2 and mid_write >= 1, (interrupted, mid_write)
+    assert interrupted >= EXPORT_TRIALS // 2, interrupted
+    old = b"the previous head file"
+    for existing in (False, True):  # a first export, and one over an older file (which must survive the kill)
+        for half in (False, True):
+            folder = tmp_path / f"write-{existing}-{half}"
+            folder.mkdir()
+            out = folder / "head.safetensors"
+            if existing:
+                out.write_bytes(old)
+            killed_at_write(lambda: export_checkpoint(run, out), 1, half)
+            assert temporaries(folder), (existing, half)
+            assert out.read_bytes() == old if existing else not out.exists(), (existing, half)
+            export_checkpoint(run, out)
+            assert safetensors_content(out) == safetensors_content(ref), (existing, half)
+            assert not temporaries(folder), (existing, half, temporaries(folder))
 
 
 def test_stale_temporaries_of_dead_writers_are_removed(target, corpus, tmp_path):
