@@ -73,6 +73,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from benchmarks.common import _git as git  # noqa: E402
+from treespec.models.fast.quant import QUANTIZE_MODES  # noqa: E402
 
 BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain", "treespec-int4": "ts_plain_int4"}
 BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llama_plain": "llama.cpp plain",
@@ -182,14 +183,16 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
     add("ts_head_chain", cli_drafter(model, tok, dtype, "head", 0.0),
         "treespec generate --draft head --min-confidence 0")
     add("ts_lookup_head", cli_drafter(model, tok, dtype, "lookup+head"), "treespec generate --draft lookup+head")
-    for name, draft, tree, conf, law in args.variant or []:  # CLI settings under test (tuning runs)
+    for name, draft, tree, conf, law, *quant in args.variant or []:  # CLI settings under test (tuning runs)
         shape = tuple(int(x) for x in tree.split(",")) if tree != "-" else None
         confidence = None if conf == "-" else float(conf)
+        quantize = quant[0] if quant and quant[0] != "-" else None
         ms.append(ts_method(name, runner, cli_drafter(model, tok, dtype, draft, confidence, shape,
-                                                      None if law == "-" else law),
+                                                      None if law == "-" else law, quantize),
                             f"treespec generate --draft {draft}" + (f" --tree {tree}" if shape else "")
                             + (f" --min-confidence {conf}" if confidence is not None else "")
-                            + (f" --law {law}" if law != "-" else "")))
+                            + (f" --law {law}" if law != "-" else "")
+                            + (f" --draft-quantize {quantize}" if quantize else "")))
     if wanted & {"ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4"}:  # the opt-in 4-bit target
         from treespec.models.fast import make_runner
 
@@ -614,9 +617,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
                     help="target forward of every treespec row (as `treespec generate --runner`); with a fast "
                          "runner, ts_plain_eager decodes with the eager HF forward beside it")
-    ap.add_argument("--variant", nargs=5, action="append", metavar=("NAME", "DRAFT", "TREE", "CONF", "LAW"),
+    ap.add_argument("--variant", nargs="+", action="append", metavar="NAME DRAFT TREE CONF LAW [QUANTIZE]",
                     help="an extra treespec row: `treespec generate --draft DRAFT --tree TREE --min-confidence CONF "
-                         "--law LAW` ('-' = the CLI's default), e.g. --variant ts_head6 head 1,1,1,1,1,1 0.2 iid")
+                         "--law LAW [--draft-quantize QUANTIZE]` ('-' = the CLI's default), e.g. --variant ts_head6 "
+                         "head 1,1,1,1,1,1 0.2 iid, or --variant h411q4 head 4,1,1 0.2 without_replacement int4")
     ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
     ap.add_argument("--resume", type=Path, default=None, metavar="DIR",
                     help="continue the unfinished run in DIR with its recorded settings (same machine, library "
@@ -631,6 +635,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ProvenanceError(f"--resume {folder}: the run recorded no arguments (made before --resume existed)")
         args = ap.parse_args(resumed["run_argv"])  # the recorded settings, unchanged
         args.out, args.resume = folder, folder
+    for v in args.variant or []:
+        if len(v) not in (5, 6):
+            ap.error(f"--variant takes NAME DRAFT TREE CONF LAW [QUANTIZE] (5 or 6 values); got {len(v)}: {' '.join(v)}")
+        if len(v) == 6 and v[5] not in ("-", *QUANTIZE_MODES):
+            ap.error(f"--variant {v[0]}: QUANTIZE must be '-' or one of {', '.join(QUANTIZE_MODES)} (as "
+                     f"--draft-quantize); got {v[5]!r}")
     if args.list_methods:
         print("protocol:", *PROTOCOL_METHODS, "\nextras:", *EXTRA_METHODS)
         return 0

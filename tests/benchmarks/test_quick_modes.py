@@ -35,15 +35,32 @@ def test_run_quick(tmp_path, dtype):
     from benchmarks import run
 
     out = tmp_path / "speed"
+    # in bf16 a tuning variant on the 4-bit head (the sixth --variant value; int4 needs bf16)
+    variant = ["--variant", "q4", "head", "2,1", "0.2", "without_replacement", "int4"] if dtype == "bfloat16" else []
     assert run.main(["--quick", "--methods", "ts_ngram", "--no-llama", "--dtypes", dtype, "--threads", "1",
-                     "--allow-dirty", "--out", str(out)]) == 0
+                     *variant, "--allow-dirty", "--out", str(out)]) == 0
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["complete"]
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
-    assert {r["method"] for r in rows} == {"ts_plain", "hf_plain", "ts_ngram"}
+    assert {r["method"] for r in rows} == {"ts_plain", "hf_plain", "ts_ngram"} | ({"q4"} if variant else set())
+    if variant:
+        assert ("treespec generate --draft head --tree 2,1 --min-confidence 0.2 --law without_replacement "
+                "--draft-quantize int4") in (out / "table.md").read_text()
     assert {r["dtype"] for r in rows} == {dtype} and all(r["new_tokens"] > 0 for r in rows)
     if dtype == "float32":  # T=0 in fp32: treespec rows are token-identical to its plain decoding
         assert all(r["equal_to_ts_plain"] for r in rows if r["engine"] == "treespec")
+
+
+@pytest.mark.parametrize("variant, match", [
+    (["q4", "head", "2,1", "0.2"], "(5 or 6 values); got 4"),
+    (["q4", "head", "2,1", "0.2", "iid", "int3"], "QUANTIZE must be '-' or one of int4"),
+])
+def test_run_refuses_a_malformed_variant(capsys, variant, match):
+    from benchmarks import run
+
+    with pytest.raises(SystemExit) as info:
+        run.main(["--variant", *variant, "--no-llama"])
+    assert info.value.code == 2 and match in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.gemma
