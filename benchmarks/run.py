@@ -186,7 +186,7 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
     for name, draft, tree, conf, law, *quant in args.variant or []:  # CLI settings under test (tuning runs)
         shape = tuple(int(x) for x in tree.split(",")) if tree != "-" else None
         confidence = None if conf == "-" else float(conf)
-        quantize = quant[0] if quant and quant[0] != "-" else None
+        quantize = quant[0] if quant and quant[0] not in ("-", "none") else None
         ms.append(ts_method(name, runner, cli_drafter(model, tok, dtype, draft, confidence, shape,
                                                       None if law == "-" else law, quantize),
                             f"treespec generate --draft {draft}" + (f" --tree {tree}" if shape else "")
@@ -617,10 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
                     help="target forward of every treespec row (as `treespec generate --runner`); with a fast "
                          "runner, ts_plain_eager decodes with the eager HF forward beside it")
-    ap.add_argument("--variant", nargs="+", action="append", metavar="NAME DRAFT TREE CONF LAW [QUANTIZE]",
-                    help="an extra treespec row: `treespec generate --draft DRAFT --tree TREE --min-confidence CONF "
-                         "--law LAW [--draft-quantize QUANTIZE]` ('-' = the CLI's default), e.g. --variant ts_head6 "
-                         "head 1,1,1,1,1,1 0.2 iid, or --variant h411q4 head 4,1,1 0.2 without_replacement int4")
+    ap.add_argument("--variant", nargs="+", action="append", metavar="FIELD",
+                    help="an extra treespec row, one per --variant, given as NAME DRAFT TREE CONF LAW [QUANTIZE]: "
+                         "`treespec generate --draft DRAFT --tree TREE --min-confidence CONF --law LAW "
+                         "[--draft-quantize QUANTIZE]` ('-' = the CLI's default; QUANTIZE needs --dtypes bfloat16), "
+                         "e.g. --variant ts_head6 head 1,1,1,1,1,1 0.2 iid, or --variant h411q4 head 4,1,1 0.2 "
+                         "without_replacement int4")
     ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
     ap.add_argument("--resume", type=Path, default=None, metavar="DIR",
                     help="continue the unfinished run in DIR with its recorded settings (same machine, library "
@@ -638,8 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in args.variant or []:
         if len(v) not in (5, 6):
             ap.error(f"--variant takes NAME DRAFT TREE CONF LAW [QUANTIZE] (5 or 6 values); got {len(v)}: {' '.join(v)}")
-        if len(v) == 6 and v[5] not in ("-", *QUANTIZE_MODES):
-            ap.error(f"--variant {v[0]}: QUANTIZE must be '-' or one of {', '.join(QUANTIZE_MODES)} (as "
+        if len(v) == 6 and v[5] not in ("-", "none", *QUANTIZE_MODES):
+            ap.error(f"--variant {v[0]}: QUANTIZE must be '-', 'none' or one of {', '.join(QUANTIZE_MODES)} (as "
                      f"--draft-quantize); got {v[5]!r}")
     if args.list_methods:
         print("protocol:", *PROTOCOL_METHODS, "\nextras:", *EXTRA_METHODS)
@@ -651,6 +653,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         dtypes = dtypes[:1]
     wanted = set(args.methods or PROTOCOL_METHODS) | {"ts_plain", "hf_plain"}
+    four_bit = [v[0] for v in args.variant or [] if len(v) == 6 and v[5] not in ("-", "none")]
+    four_bit += sorted(wanted & {"ts_head_int4"})
+    if four_bit and any(d != "bfloat16" for d in dtypes):  # refused now, not at that dtype's warm-up hours later
+        ap.error(f"{', '.join(four_bit)}: a 4-bit draft head runs in bfloat16 only; the run's dtypes are "
+                 f"{', '.join(dtypes)} (give --dtypes bfloat16)")
     skipped: list[str] = []
     if wanted & {"llama_plain", "llama_prompt_lookup"}:
         reason = "--no-llama" if args.no_llama else llama_available()

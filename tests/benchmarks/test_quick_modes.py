@@ -53,13 +53,15 @@ def test_run_quick(tmp_path, dtype):
 
 @pytest.mark.parametrize("variant, match", [
     (["q4", "head", "2,1", "0.2"], "(5 or 6 values); got 4"),
-    (["q4", "head", "2,1", "0.2", "iid", "int3"], "QUANTIZE must be '-' or one of int4"),
+    (["q4", "head", "2,1", "0.2", "iid", "int3"], "QUANTIZE must be '-', 'none' or one of int4"),
+    (["q4", "head", "2,1", "0.2", "iid", "int4"], "q4: a 4-bit draft head runs in bfloat16 only; the run's dtypes "
+                                                  "are float32"),
 ])
 def test_run_refuses_a_malformed_variant(capsys, variant, match):
     from benchmarks import run
 
     with pytest.raises(SystemExit) as info:
-        run.main(["--variant", *variant, "--no-llama"])
+        run.main(["--variant", *variant, "--no-llama", "--dtypes", "float32"])
     assert info.value.code == 2 and match in " ".join(capsys.readouterr().err.split())
 
 

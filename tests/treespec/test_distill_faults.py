@@ -26,6 +26,7 @@ import random
 import select
 import signal
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -102,20 +103,25 @@ def killed_at_write(work, nth: int, half: bool) -> None:
             time.sleep(600)
 
         files._fsync = stop_at_nth
+        code = 0
         try:
             with torch.enable_grad():
                 work()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
         finally:
-            os._exit(0)
+            os._exit(code)
     os.close(w)
     try:
         ready, _, _ = select.select([r], [], [], 300)
         reached = bool(ready) and os.read(r, 1) == b"x"  # b"" when the child ended without reaching it
     finally:
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
         os.close(r)
-    assert reached, f"the run ended before its write number {nth}"
+    assert reached, (f"the run ended before its write number {nth} "
+                     f"({'it failed: see its traceback' if os.WIFEXITED(status) and os.WEXITSTATUS(status) else 'it finished'})")
 
 
 WRITE_KILLS = [(1, False), (2, True), (4, False), (7, True)]  # (n-th atomic write, cut the temporary in half)
@@ -261,7 +267,7 @@ def test_export_survives_kill_9(target, corpus, tmp_path):
                 out.write_bytes(old)
             killed_at_write(lambda: export_checkpoint(run, out), 1, half)
             assert temporaries(folder), (existing, half)
-            assert out.read_bytes() == old if existing else not out.exists(), (existing, half)
+            assert (out.read_bytes() == old) if existing else (not out.exists()), (existing, half)
             export_checkpoint(run, out)
             assert safetensors_content(out) == safetensors_content(ref), (existing, half)
             assert not temporaries(folder), (existing, half, temporaries(folder))
