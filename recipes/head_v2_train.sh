@@ -70,9 +70,14 @@
 #   STAGE=train RUN=head-v2-cont5 INIT=treespec/assets/gemma3-270m-head.safetensors SEED=5 LR=0.0005 WARMUP=50 \
 #     STEPS=2400 PIN=47,40,24 THREADS=1 MINUTES=160 recipes/head_v2_train.sh   (then THREADS=2 MINUTES=60 to resume)
 #   python -m treespec.distill export --run head-v2-cont5 --out treespec/assets/gemma3-270m-head.safetensors
-# (the head it continued: git show 6c4a03d:treespec/assets/gemma3-270m-head.safetensors). v3-sample chunks 24-46
-# (stage 1 complete since 6c4a03d) are not read by any run yet: a next run builds their stage 2 (STAGE=corpus)
-# and raises the third PIN value to 47.
+# (the head it continued: git show 6c4a03d:treespec/assets/gemma3-270m-head.safetensors).
+# Sixth continuation (session 25, the same kind of Xeon; the cache had survived, so no stage 2 was needed: v3-sample's
+# 47 shards were all built in session 24): 2,400 steps from the head above on 47 + 40 + 47 shards (5.17M positions),
+# on two threads (~1.7 s a step, 69 minutes):
+#   STAGE=train RUN=head-v2-cont6 INIT=treespec/assets/gemma3-270m-head.safetensors SEED=6 LR=0.0005 WARMUP=50 \
+#     STEPS=2400 PIN=47,40,47 THREADS=2 MINUTES=150 recipes/head_v2_train.sh
+#   python -m treespec.distill export --run head-v2-cont6 --out treespec/assets/gemma3-270m-head.safetensors
+# (the head it continued: git show 4fc3132:treespec/assets/gemma3-270m-head.safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
@@ -82,8 +87,8 @@ PY="${PY:-.venv/bin/python}"
 CONT="${CONT:-corpora/head-v2/continuations}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
-PIN="${PIN:-47,40,24}"  # shards the run reads of each corpus: v2-greedy (all 6,000 sequences), v2-sample (all 5,000),
-# v3-sample (its first 24 chunks of 128 sequences: the ones finished when head-v2-cont5 started)
+PIN="${PIN:-47,40,47}"  # shards the run reads of each corpus: v2-greedy (all 6,000 sequences), v2-sample (all 5,000),
+# v3-sample (all 6,000; head-v2-cont5 read its first 24 chunks of 128 sequences, the ones finished when it started)
 STEPS="${STEPS:-4000}"
 RUN="${RUN:-head-v2}"
 LR="${LR:-0.001}"
