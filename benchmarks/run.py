@@ -117,7 +117,10 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
     def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
         ids = prompt["ids"]
         gen_cfg = copy.deepcopy(model.generation_config)
-        gen_cfg.eos_token_id = None  # run exactly n tokens without touching the logits
+        # run exactly n tokens without touching the logits: an EOS id no token has. (None does not work:
+        # generate() fills every None field from model.generation_config, so HF stopped at the model's EOS,
+        # in 4 of 14 prompts at T=1 of the runs before this was found)
+        gen_cfg.eos_token_id = model.get_output_embeddings().weight.shape[0]
         gen_cfg.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else 0
         kwargs = dict(max_new_tokens=n, generation_config=gen_cfg, do_sample=temperature > 0, **extra)
         if temperature > 0:
@@ -741,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
                 res = {}
                 for m in round_order(methods, pi, rep, args.seed):
                     res[m.name] = (m, m(p, args.max_new_tokens, temp, seed))
+                    if len(res[m.name][1]["tokens"]) != args.max_new_tokens:  # every row times the same work
+                        raise RuntimeError(f"{m.name} generated {len(res[m.name][1]['tokens'])} tokens for prompt "
+                                           f"{p['id']} at T={temp:g}, not the {args.max_new_tokens} asked for")
                 for name, (m, r) in res.items():
                     own = res.get(BASELINES[m.engine], (None, None))[1]
                     row = {"dtype": dtype, "temperature": temp, "prompt_id": p["id"], "subtask": p["subtask"],

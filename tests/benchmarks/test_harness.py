@@ -430,3 +430,23 @@ def test_head_domains_reads_the_weights_suffix_and_tables_the_step_cost():
          "step_cost": {"fraction": 0.083, "head_step_s": 0.00142, "target_step_s": 0.017, "head_weights": "int4"}}
     assert "| int4 | specbench | 10 | 0.500 | 0.300 | 0.300 | 0.400 | 0.200 | 0.200 | 0.083 (1.42 / 17.0 ms, int4) |" \
         in table({"int4": {"specbench": m}})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hf_rows_generate_every_token_past_eos(temperature):
+    """The HF rows time exactly n tokens even where the model emits its EOS token: a tiny model whose
+    generation config names as EOS the very token it emits first (so HF's own default would stop at once)."""
+    import torch
+
+    from benchmarks.run import ForwardCounter, hf_method
+    from treespec.models.tiny import tiny_model
+
+    model = tiny_model("llama", 64, seed=0, logit_scale=6.0)
+    prompt = {"ids": [3, 17, 5, 9]}
+    first = int(model(torch.tensor([prompt["ids"]])).logits[0, -1].argmax())
+    model.generation_config.eos_token_id = first
+    model.generation_config.pad_token_id = 0
+    out = hf_method("hf_plain", model, ForwardCounter(model), "test")(prompt, 12, temperature, 0)
+    assert len(out["tokens"]) == 12, out["tokens"]
+    if temperature == 0:
+        assert out["tokens"][0] == first  # EOS was emitted, and generation went on
