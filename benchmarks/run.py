@@ -119,7 +119,7 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
         gen_cfg = copy.deepcopy(model.generation_config)
         # run exactly n tokens without touching the logits: an EOS id no token has. (None does not work:
         # generate() fills every None field from model.generation_config, so HF stopped at the model's EOS,
-        # in 4 of 14 prompts at T=1 of the runs before this was found)
+        # mostly at T=1, in the runs before this was found)
         gen_cfg.eos_token_id = model.get_output_embeddings().weight.shape[0]
         gen_cfg.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else 0
         kwargs = dict(max_new_tokens=n, generation_config=gen_cfg, do_sample=temperature > 0, **extra)

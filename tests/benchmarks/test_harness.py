@@ -432,10 +432,12 @@ def test_head_domains_reads_the_weights_suffix_and_tables_the_step_cost():
         in table({"int4": {"specbench": m}})
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_hf_rows_generate_every_token_past_eos(temperature):
+@pytest.mark.parametrize("temperature, extra", [(0.0, {}), (1.0, {}), (0.0, {"prompt_lookup_num_tokens": 2})])
+def test_hf_rows_generate_every_token_past_eos(temperature, extra):
     """The HF rows time exactly n tokens even where the model emits its EOS token: a tiny model whose
-    generation config names as EOS the very token it emits first (so HF's own default would stop at once)."""
+    generation config names as EOS the very token it emits first (so HF's own default would stop at once); plain
+    and with prompt lookup (its drafts are cut at EOS too). At T=1 the old setting failing depends on the sampled
+    tokens; at T=0 it stops after one token for certain."""
     import torch
 
     from benchmarks.run import ForwardCounter, hf_method
@@ -446,7 +448,7 @@ def test_hf_rows_generate_every_token_past_eos(temperature):
     first = int(model(torch.tensor([prompt["ids"]])).logits[0, -1].argmax())
     model.generation_config.eos_token_id = first
     model.generation_config.pad_token_id = 0
-    out = hf_method("hf_plain", model, ForwardCounter(model), "test")(prompt, 12, temperature, 0)
+    out = hf_method("hf_plain", model, ForwardCounter(model), "test", **extra)(prompt, 12, temperature, 0)
     assert len(out["tokens"]) == 12, out["tokens"]
     if temperature == 0:
         assert out["tokens"][0] == first  # EOS was emitted, and generation went on
