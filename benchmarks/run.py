@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import random
 import sys
 import time
@@ -328,9 +329,14 @@ def round_order(methods: list[Method], prompt_index: int, repeat: int, seed: int
     return order[::-1] if repeat % 2 else order
 
 
-def per_prompt_speedups(runs: list[dict]) -> list[dict]:
+def per_prompt_speedups(runs: list[dict], defaults: dict | None = None) -> list[dict]:
     """One row per (dtype, T, prompt, method): summed time over repeats, speedups against each named
-    baseline (baseline's summed time over the same repeats / the method's), tau, greedy equality."""
+    baseline (baseline's summed time over the same repeats / the method's), tau, greedy equality.
+
+    ``defaults`` maps (dtype, T) to the row that is ``treespec generate``'s default there
+    (:func:`cli_default_method`); where that row ran on the same prompt, every method also gets
+    ``speedup_vs_default``: the PAIRED ratio default's time / the method's on that prompt."""
+    defaults = defaults or {}
     groups: dict = {}
     for r in runs:
         groups.setdefault((r["dtype"], r["temperature"], r["prompt_id"]), []).append(r)
@@ -350,6 +356,9 @@ def per_prompt_speedups(runs: list[dict]) -> list[dict]:
             own = BASELINES[v[0]["engine"]]
             if own in wall:
                 row["speedup_vs_own_plain"] = wall[own] / wall[m] * (ntok[m] / ntok[own])
+            default = defaults.get((dtype, temp))
+            if default in wall:
+                row["speedup_vs_default"] = wall[default] / wall[m] * (ntok[m] / ntok[default])
             calls = [x["target_calls"] for x in v if x.get("target_calls")]
             row["tau"] = (sum(x["new_tokens"] for x in v if x.get("target_calls")) / sum(calls)) if calls else None
             if temp == 0:
@@ -380,6 +389,10 @@ def summarise(prompt_rows: list[dict], seed: int) -> dict:
             for key in [f"speedup_vs_{b}" for b in BASELINE_LABEL] + ["speedup_vs_own_plain"]:
                 if any(key in r for r in mine):
                     e[key] = spread([r.get(key) for r in mine], seed)
+            paired = [r["speedup_vs_default"] for r in mine if r.get("speedup_vs_default") is not None]
+            if paired:
+                e["speedup_vs_default"] = spread(paired, seed)
+                e["speedup_vs_default"].update(sign_test(paired))
             taus = [r["tau"] for r in mine if r["tau"] is not None]
             e["tau"] = mean(taus) if taus else None
             if temp == 0:
@@ -395,6 +408,20 @@ def summarise(prompt_rows: list[dict], seed: int) -> dict:
     return out
 
 
+def sign_test(ratios: list[float]) -> dict:
+    """Paired sign test of ``ratios`` (default's time / a method's, one per prompt) against 1: how many
+    prompts the method was faster / slower on (ties dropped), and the exact two-sided binomial p-value
+    of a split at least that uneven if faster and slower were equally likely."""
+    wins = sum(r > 1 for r in ratios)
+    losses = sum(r < 1 for r in ratios)
+    n = wins + losses
+    if n == 0:
+        return {"wins": 0, "losses": 0, "p_sign": 1.0}
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return {"wins": wins, "losses": losses, "p_sign": min(1.0, 2 * tail)}
+
+
 def _fmt(s: dict | None) -> str:
     if not s or s.get("median") is None:
         return "-"
@@ -402,20 +429,21 @@ def _fmt(s: dict | None) -> str:
     return f"{s['median']:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
-def cli_default_rows() -> str:
-    """Which rows are the CLI's ``--draft auto`` per dtype and temperature, read from the CLI itself."""
+def cli_default_method(dtype: str, temperature: float) -> str:
+    """The row that is ``treespec generate --draft auto`` on the embedded target at ``dtype`` and
+    ``temperature``, read from the CLI itself (so a change of default changes the paired column)."""
     from treespec.cli import _resolved_draft, build_parser
 
     rows = {"ngram": "ts_ngram", "head": "ts_head", "lookup+head": "ts_lookup_head", "none": "ts_plain"}
-    parts = []
-    for dtype in ("bfloat16", "float32"):
-        picks = []
-        for temp in ("0", "1"):
-            args = build_parser().parse_args(["generate", "x", "--temperature", temp])
-            draft = _resolved_draft(args, getattr(torch, dtype))
-            picks.append(f"{rows.get(draft, draft)} at T={temp}")
-        parts.append(f"{dtype}: {', '.join(picks)}")
-    return "; ".join(parts)
+    args = build_parser().parse_args(["generate", "x", "--temperature", f"{temperature:g}"])
+    draft = _resolved_draft(args, getattr(torch, dtype))
+    return rows.get(draft, draft)
+
+
+def cli_default_rows() -> str:
+    """Which rows are the CLI's ``--draft auto`` per dtype and temperature, read from the CLI itself."""
+    return "; ".join(f"{dtype}: " + ", ".join(f"{cli_default_method(dtype, t)} at T={t:g}" for t in (0.0, 1.0))
+                     for dtype in ("bfloat16", "float32"))
 
 
 def markdown(summary: dict, meta: dict) -> str:
@@ -457,6 +485,17 @@ def markdown(summary: dict, meta: dict) -> str:
             lines.append(f"| {m} | {e['engine']} | {e['tokens_per_s']['median']:.2f} | "
                          f"{_fmt(e.get('speedup_vs_ts_plain'))} | {_fmt(e.get('speedup_vs_hf_plain'))} | "
                          f"{_fmt(e.get('speedup_vs_llama_plain'))} | {tau} | {eq} |")
+        paired = {m: e["speedup_vs_default"] for m, e in block.items() if "speedup_vs_default" in e}
+        if len(paired) > 1:
+            dtype, temp = key.split("/T=")
+            default = cli_default_method(dtype, float(temp))
+            lines += ["", f"Paired against the CLI default here (`{default}`): per prompt, the default's time / the "
+                      "method's (> 1: faster than the default), median [95% CI]; faster / slower on how many "
+                      "prompts, and the two-sided sign-test p-value:", "",
+                      "| method | speedup vs default (paired) | faster / slower | sign-test p |", "|---|---|---|---|"]
+            for m, pe in paired.items():
+                if m != default:
+                    lines.append(f"| {m} | {_fmt(pe)} | {pe['wins']} / {pe['losses']} | {pe['p_sign']:.3g} |")
         subs = list(dict.fromkeys(s for e in block.values() for s in e["per_subtask"]))
         lines += ["", "Per subtask: speedup vs the method's own engine's plain decoding (median [95% CI]):", "",
                   "| method | " + " | ".join(subs) + " |", "|---|" + "---|" * len(subs)]
@@ -482,6 +521,17 @@ def plot(summary: dict, out: Path) -> None:
     fig, axes = plt.subplots(len(keys), 1, figsize=(14, 3.8 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         block = {m: e for m, e in summary[key].items() if m not in BASELINE_LABEL}
+        paired = {m: e["speedup_vs_default"] for m, e in block.items() if "speedup_vs_default" in e}
+        if len(paired) > 1:
+            dtype, temp = key.split("/T=")
+            default = cli_default_method(dtype, float(temp))
+            lines += ["", f"Paired against the CLI default here (`{default}`): per prompt, the default's time / the "
+                      "method's (> 1: faster than the default), median [95% CI]; faster / slower on how many "
+                      "prompts, and the two-sided sign-test p-value:", "",
+                      "| method | speedup vs default (paired) | faster / slower | sign-test p |", "|---|---|---|---|"]
+            for m, pe in paired.items():
+                if m != default:
+                    lines.append(f"| {m} | {_fmt(pe)} | {pe['wins']} / {pe['losses']} | {pe['p_sign']:.3g} |")
         subs = list(dict.fromkeys(s for e in block.values() for s in e["per_subtask"])) + ["all"]
         width = 0.8 / max(len(block), 1)
         for i, (m, e) in enumerate(block.items()):
@@ -575,7 +625,8 @@ def write_report(out: Path, runs: list[dict], meta: dict, seed: int, total_round
     """summary.json, table.md and speedup.png from every measured row so far (partial runs say so)."""
     done = len({(r["dtype"], r["temperature"], r["prompt_id"], r["repeat"]) for r in runs})
     meta["rounds"] = {"done": done, "total": total_rounds}
-    prompt_rows = per_prompt_speedups(runs)
+    prompt_rows = per_prompt_speedups(runs, {(r["dtype"], r["temperature"]): cli_default_method(r["dtype"], r["temperature"])
+                                             for r in runs})
     summary = summarise(prompt_rows, seed)
     write_json(out / "summary.json", {"meta": meta, "summary": summary, "per_prompt": prompt_rows})
     (out / "table.md").write_text(markdown(summary, meta))

@@ -11,6 +11,8 @@
 # v3-sample (added in session 23, once all 11,000 rows had one continuation each): a second, sampled (T=1,
 # another seed) continuation of rows 0:6000, whose v2 continuation is greedy: new text of the target on
 # prompts the head has seen (complete since session 24; recipes/head_v2_train.sh lists it, PIN's third value).
+# v4-sample (added in session 26): a second sampled continuation (T=1, seed 3) of rows 6000:11000, whose v2
+# continuation is sampled with seed 1: more of the target's T=1 text, the distribution the T=1 goal is measured on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-120}"
@@ -23,4 +25,7 @@ OUT="${OUT:-corpora/head-v2/continuations}"
     --time-limit "$MINUTES"
 "$PY" -m treespec.distill.continuations --name v3-sample --mode sample --temperature 1.0 --rows 0:6000 \
     --out "$OUT" --new-tokens 256 --batch-size 32 --chunk-size 128 --seed 2 --dtype auto --threads 1 \
+    --time-limit "$MINUTES"
+"$PY" -m treespec.distill.continuations --name v4-sample --mode sample --temperature 1.0 --rows 6000:11000 \
+    --out "$OUT" --new-tokens 256 --batch-size 32 --chunk-size 128 --seed 3 --dtype auto --threads 1 \
     --time-limit "$MINUTES"

@@ -452,3 +452,40 @@ def test_hf_rows_generate_every_token_past_eos(temperature, extra):
     assert len(out["tokens"]) == 12, out["tokens"]
     if temperature == 0:
         assert out["tokens"][0] == first  # EOS was emitted, and generation went on
+
+
+def test_methods_are_paired_against_the_cli_default_with_a_sign_test():
+    """Per prompt, the default row's time / a method's time (same prompt, same repeats); the sign test is
+    the exact binomial one: 3 faster, 1 slower gives p = 2 * (1 + 4) / 16 = 0.625; 10 of 10 gives 2 / 1024."""
+    from benchmarks import run
+
+    rows = []
+    # ts_head (the default) takes 1 s on every prompt; hw411 is faster on three prompts, slower on one
+    hw = {"p1": 0.5, "p2": 0.8, "p3": 0.9, "p4": 1.25}
+    for pid, t in hw.items():
+        for m, wall in (("ts_plain", 1.5), ("ts_head", 1.0), ("hw411", t)):
+            rows.append({"dtype": "bfloat16", "temperature": 1.0, "prompt_id": pid, "subtask": "qa", "repeat": 0,
+                         "method": m, "engine": "treespec", "new_tokens": 32, "wall_s": wall, "target_calls": 16})
+    prompt_rows = run.per_prompt_speedups(rows, {("bfloat16", 1.0): "ts_head"})
+    got = {r["prompt_id"]: r["speedup_vs_default"] for r in prompt_rows if r["method"] == "hw411"}
+    assert got == {pid: pytest.approx(1.0 / t) for pid, t in hw.items()}
+    assert all(r["speedup_vs_default"] == pytest.approx(1.0) for r in prompt_rows if r["method"] == "ts_head")
+    e = run.summarise(prompt_rows, seed=0)["bfloat16/T=1"]["hw411"]["speedup_vs_default"]
+    assert (e["wins"], e["losses"]) == (3, 1) and e["p_sign"] == pytest.approx(0.625)
+    assert e["median"] == pytest.approx((1 / 0.8 + 1 / 0.9) / 2)
+    assert run.sign_test([1.1] * 10)["p_sign"] == pytest.approx(2 / 1024)
+    assert run.sign_test([1.0, 1.0]) == {"wins": 0, "losses": 0, "p_sign": 1.0}
+    # without a default for the block there is no paired column
+    assert not any("speedup_vs_default" in r for r in run.per_prompt_speedups(rows))
+
+
+def test_the_paired_column_follows_the_cli_default():
+    from benchmarks import run
+    from treespec.cli import _resolved_draft, build_parser
+
+    for dtype in ("bfloat16", "float32"):
+        for t in (0.0, 0.7, 1.0):
+            args = build_parser().parse_args(["generate", "x", "--temperature", f"{t:g}"])
+            draft = _resolved_draft(args, getattr(__import__("torch"), dtype))
+            want = {"ngram": "ts_ngram", "head": "ts_head", "none": "ts_plain", "lookup+head": "ts_lookup_head"}[draft]
+            assert run.cli_default_method(dtype, t) == want
