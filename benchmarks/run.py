@@ -521,17 +521,6 @@ def plot(summary: dict, out: Path) -> None:
     fig, axes = plt.subplots(len(keys), 1, figsize=(14, 3.8 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         block = {m: e for m, e in summary[key].items() if m not in BASELINE_LABEL}
-        paired = {m: e["speedup_vs_default"] for m, e in block.items() if "speedup_vs_default" in e}
-        if len(paired) > 1:
-            dtype, temp = key.split("/T=")
-            default = cli_default_method(dtype, float(temp))
-            lines += ["", f"Paired against the CLI default here (`{default}`): per prompt, the default's time / the "
-                      "method's (> 1: faster than the default), median [95% CI]; faster / slower on how many "
-                      "prompts, and the two-sided sign-test p-value:", "",
-                      "| method | speedup vs default (paired) | faster / slower | sign-test p |", "|---|---|---|---|"]
-            for m, pe in paired.items():
-                if m != default:
-                    lines.append(f"| {m} | {_fmt(pe)} | {pe['wins']} / {pe['losses']} | {pe['p_sign']:.3g} |")
         subs = list(dict.fromkeys(s for e in block.values() for s in e["per_subtask"])) + ["all"]
         width = 0.8 / max(len(block), 1)
         for i, (m, e) in enumerate(block.items()):

@@ -479,6 +479,28 @@ def test_methods_are_paired_against_the_cli_default_with_a_sign_test():
     assert not any("speedup_vs_default" in r for r in run.per_prompt_speedups(rows))
 
 
+def test_the_report_and_plot_carry_the_paired_table(tmp_path, monkeypatch):
+    from benchmarks import run
+
+    rows = []
+    for pid, t in (("p1", 0.5), ("p2", 0.8)):
+        for m, wall in (("ts_plain", 1.5), ("ts_head", 1.0), ("hw411", t)):
+            rows.append({"dtype": "bfloat16", "temperature": 1.0, "prompt_id": pid, "subtask": "qa", "repeat": 0,
+                         "method": m, "engine": "treespec", "new_tokens": 32, "wall_s": wall, "target_calls": 16})
+    monkeypatch.setattr(run, "cli_default_method", lambda dtype, t: "ts_head")
+    summary = run.summarise(run.per_prompt_speedups(rows, {("bfloat16", 1.0): "ts_head"}), seed=0)
+    prov = {"commit_short": "abc1234", "dirty": False, "date_utc": "now", "command": {"shell": "x"},
+            "machine": {"cpu": "cpu", "cores": 2, "cpu_flags": {}, "bf16_native": True}, "versions": {}}
+    settings = {"prompts": 2, "prompt_set": "train", "max_new_tokens": 32, "repeats": 1, "threads": 2, "seed": 0,
+                "warmup_tokens": 8}
+    table = run.markdown(summary, {"provenance": prov, "settings": settings, "methods": {}})
+    assert "Paired against the CLI default here (`ts_head`)" in table
+    assert "| hw411 | 1.62x [1.25, 2.00] | 2 / 0 | 0.5 |" in table
+    assert "| ts_plain | 0.67x [0.67, 0.67] | 0 / 2 | 0.5 |" in table
+    run.plot(summary, tmp_path)
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
 def test_the_paired_column_follows_the_cli_default():
     from benchmarks import run
     from treespec.cli import _resolved_draft, build_parser
