@@ -11,7 +11,8 @@ Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--
 * treespec, drafters built exactly as ``treespec generate --draft X`` builds them (``treespec.cli``):
   ``ts_plain`` (no draft), ``ts_ngram`` (adaptive prompt lookup), ``ts_head`` (the shipped head with its
   shipped min-confidence), ``ts_head_chain`` (the head with ``--min-confidence 0``), ``ts_lookup_head``
-  (prompt lookup where the context repeats, the head elsewhere), ``ts_head_int4`` (the head on 4-bit
+  (prompt lookup where the context repeats, the head elsewhere), ``ts_head_bf16`` (the head in the run's dtype,
+  ``--draft-quantize none``; not in the default protocol), ``ts_head_int4`` (the head on 4-bit
   weights, ``--draft-quantize int4``; not in the default protocol); which row is ``treespec generate``'s
   default per dtype and temperature is read from the CLI and named in every table;
 * Hugging Face transformers: ``hf_plain`` (``generate``), ``hf_prompt_lookup``
@@ -81,7 +82,7 @@ BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llam
                   "ts_plain_int4": "treespec int4 plain"}
 PROTOCOL_METHODS = ("ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_chain", "ts_lookup_head",
                     "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain", "llama_prompt_lookup")
-EXTRA_METHODS = ("ts_head_int4", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
+EXTRA_METHODS = ("ts_head_int4", "ts_head_bf16", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
                  "ts_online_head", "ts_medusa")
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
 
@@ -184,13 +185,15 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
     add("ts_head", cli_drafter(model, tok, dtype, "head"), "treespec generate --draft head (shipped min-confidence)")
     add("ts_head_int4", cli_drafter(model, tok, dtype, "head", quantize="int4"),
         "treespec generate --draft head --draft-quantize int4")
+    add("ts_head_bf16", cli_drafter(model, tok, dtype, "head", quantize="none"),
+        "treespec generate --draft head --draft-quantize none (the head in the run's dtype)")
     add("ts_head_chain", cli_drafter(model, tok, dtype, "head", 0.0),
         "treespec generate --draft head --min-confidence 0")
     add("ts_lookup_head", cli_drafter(model, tok, dtype, "lookup+head"), "treespec generate --draft lookup+head")
     for name, draft, tree, conf, law, *quant in args.variant or []:  # CLI settings under test (tuning runs)
         shape = tuple(int(x) for x in tree.split(",")) if tree != "-" else None
         confidence = None if conf == "-" else float(conf)
-        quantize = quant[0] if quant and quant[0] not in ("-", "none") else None
+        quantize = quant[0] if quant and quant[0] != "-" else None  # None: the CLI's default (--draft-quantize auto)
         ms.append(ts_method(name, runner, cli_drafter(model, tok, dtype, draft, confidence, shape,
                                                       None if law == "-" else law, quantize),
                             f"treespec generate --draft {draft}" + (f" --tree {tree}" if shape else "")

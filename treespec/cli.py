@@ -61,8 +61,12 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
     """``--draft`` with ``auto`` resolved to the best measured drafter of the embedded target for the run's dtype
     (``dtype``, else the one ``args`` asks for), chosen on train prompts (``benchmarks/results/tuning/``):
 
-    * T=0: n-gram lookup (bf16: ``2026-11-24-5cbee63-bf16-head-trees``, it equals or beats lookup+head; with
-      head v2 too, ``2026-11-25-6b9a6c8-bf16-v2-defaults``: 3.02x plain against 2.80x);
+    * T=0 in bf16: n-gram lookup, and the shipped head where the context does not repeat (``lookup+head``, the
+      head on 4-bit weights): paired against n-gram lookup alone on 48 prompts it was faster on 34 and slower
+      on 14 (sign test p = 0.0055; ``2026-11-27-4b0e164-epyc-v2cont6-t0-paired``, head v2 continued six times,
+      AMD EPYC with avx512_bf16). Earlier heads only equalled n-gram lookup there (``2026-11-24-5cbee63-bf16-head-trees``,
+      ``2026-11-26-b134a55-epyc-v2cont-defaults``);
+    * T=0 in float32: n-gram lookup (the best float32 row of the protocol);
     * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
       n-gram lookup, head v1 on the AMD EPYC; ``2026-11-25-6b9a6c8-bf16-v2-defaults``: head v2 1.22x against
       1.09x, on an Intel Xeon with native bf16), where a tree pass costs about one decoding step;
@@ -70,14 +74,18 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
       drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``, the AMD EPYC forced to
       float32); with an explicit ``--tree``, ``--min-confidence`` or ``--law`` the shipped head, which follows them.
 
-    The shipped head fits the embedded Gemma-3-270M only: on any other target ``auto`` is n-gram lookup (measured on
-    the embedded target only; in float32 at T>0 it lost to plain decoding there)."""
+    The head's own settings per temperature (tree, confidence, law, 4-bit weights) are
+    :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`. The shipped head fits the embedded Gemma-3-270M only:
+    on any other target ``auto`` is n-gram lookup (measured on the embedded target only; in float32 at T>0 it lost
+    to plain decoding there)."""
     if args.draft != "auto":
         return args.draft
-    if args.temperature <= 0 or args.target != "embedded":
+    if args.target != "embedded":
         return "ngram"
     if dtype is None:
         dtype = resolve_cli_dtype(args)
+    if args.temperature <= 0:
+        return "lookup+head" if dtype == torch.bfloat16 else "ngram"
     asked = args.tree is not None or args.min_confidence is not None or args.law is not None  # speculation options
     if dtype == torch.bfloat16 or asked:  # an explicit --tree / --min-confidence / --law: the head follows them
         return "head"
@@ -94,7 +102,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.quantize != "none" and args.runner == "eager":
         raise CliInputError(f"--quantize {args.quantize} runs on the fast runner; it cannot be combined with "
                             f"--runner eager")
-    if args.draft_quantize != "none":
+    if args.draft_quantize not in ("auto", "none"):
         draft = "none" if args.plain else _resolved_draft(args)
         if not (draft in ("head", "lookup+head") or draft.endswith(".safetensors")):
             raise CliInputError(f"--draft-quantize {args.draft_quantize} applies to a draft head (--draft head, "
@@ -133,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
     g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
     g.add_argument("--draft", default="auto",
-                   help="'auto' (default: the best measured on train prompts: n-gram lookup at T=0; at T>0 on the "
-                        "embedded target the shipped head in bf16 and no draft in float32, where every drafter measured "
-                        "slower than plain decoding), "
+                   help="'auto' (default: the best measured on train prompts; on the embedded target in bf16 "
+                        "'lookup+head' at T=0 and the shipped head at T>0, both on 4-bit head weights; in float32 "
+                        "n-gram lookup at T=0 and no draft at T>0, where every drafter measured slower than plain "
+                        "decoding; n-gram lookup on other targets), "
                         "'lookup+head' (prompt lookup where the context repeats, the shipped Gemma-3-270M draft "
                         "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone), 'none', "
                         "a draft causal LM path/id sharing the tokenizer, an EAGLE head .safetensors "
@@ -173,9 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPU kernel; about the size of the GGUF it was de-quantised from): a different, faster "
                         "model; speculative decoding is lossless with respect to it (compare with --plain "
                         "--quantize int4)")
-    g.add_argument("--draft-quantize", choices=["none", *QUANTIZE_MODES], default="none",
+    g.add_argument("--draft-quantize", choices=["auto", "none", *QUANTIZE_MODES], default="auto",
                    help="int4: a draft head's products run on 4-bit weights (about a third of the bf16 bytes a step "
-                        "reads; another q, so other acceptance; lossless either way; needs bfloat16)")
+                        "reads; another q, so other acceptance; lossless either way; needs bfloat16); none: the "
+                        "head computes in the run's dtype; auto (default): the shipped head's measured setting, "
+                        "4-bit weights at T>0 in bfloat16 on a CPU, else none")
     g.add_argument("--plain", action="store_true", help="plain autoregressive decoding of the target, for comparison")
     g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
     g.add_argument("--json", action="store_true", help="print text, token_ids and statistics as JSON")
@@ -188,9 +199,18 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
         return None
     # _check_args has refused an n-gram --tree that is not depth,branches
     options = DraftOptions(tuple(args.tree) if args.tree else None, args.law, args.min_confidence,
-                           None if args.draft_quantize == "none" else args.draft_quantize)
+                           None if args.draft_quantize == "auto" else args.draft_quantize)
     return build_drafter(draft, target_model, options, temperature=args.temperature, tokenizer=target_tokenizer,
                          dtype=dtype)
+
+
+def _head_weights(drafter: Drafter | None) -> str | None:
+    """The weight form of the draft head ``drafter`` drafts with (inside a ``FirstOf`` too), None without one."""
+    for d in drafter.drafters if isinstance(drafter, FirstOf) else [drafter]:
+        head = getattr(getattr(d, "runner", None), "head", None)
+        if head is not None and hasattr(head, "inference_weights"):
+            return head.inference_weights
+    return None
 
 
 def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -240,7 +260,7 @@ def run_generate(args) -> int:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")
-    if args.draft_quantize != "none" and dtype != torch.bfloat16:
+    if args.draft_quantize not in ("auto", "none") and dtype != torch.bfloat16:
         raise CliInputError(f"--draft-quantize {args.draft_quantize} needs bfloat16 (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')})")
     tokenizer = load_tokenizer(args.target)
@@ -269,6 +289,9 @@ def run_generate(args) -> int:
     if isinstance(drafter, FirstOf):  # which drafter proposed how many trees
         info["method"] = f"FirstOf({', '.join(type(d).__name__ for d in drafter.drafters)})"
         info["proposals"] = drafter.counts
+    head_weights = _head_weights(drafter)
+    if head_weights is not None:  # "int4", "packed" (bf16, oneDNN layout) or "plain"
+        info["draft_weights"] = head_weights
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
                           "statistics": {**summary, **info,
@@ -276,6 +299,8 @@ def run_generate(args) -> int:
     else:
         print()
         weights = "" if args.quantize == "none" else f", {args.quantize} weights"
+        if head_weights == "int4":
+            weights += ", int4 draft head"
         print(f"[{info['method']}, {info['dtype']}{weights}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
               f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None)}", file=sys.stderr)

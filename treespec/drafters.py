@@ -43,13 +43,15 @@ class DraftOptions:
     tree: tuple[int, ...] | None = None
     law: str | None = None
     min_confidence: float | None = None
-    quantize: str | None = None  # a head's weights: None (the target's dtype, packed) or "int4" (4-bit, CPU)
+    #: a head's weights: "none" (the target's dtype, packed where that pays), "int4" (4-bit, bf16 on a CPU) or
+    #: None (the shipped head's setting for the temperature where its kernel runs, else "none")
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         from .models.fast.quant import QUANTIZE_MODES
 
-        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
-            raise ValueError(f"quantize={self.quantize!r}: expected one of {QUANTIZE_MODES} or None")
+        if self.quantize is not None and self.quantize not in ("none", *QUANTIZE_MODES):
+            raise ValueError(f"quantize={self.quantize!r}: expected 'none', one of {QUANTIZE_MODES} or None")
 
 
 def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -66,9 +68,14 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
 
     head = load_default_head(target) if path is None else EagleHead.load(path, target)
-    head.for_inference(target.dtype, quantize=options.quantize)
     settings = (DEFAULT_HEAD_SETTINGS["greedy" if temperature <= 0 else "sampled"] if path is None
                 else {"tree": (1, 1, 1, 1), "min_confidence": 0.0})
+    quantize = options.quantize
+    if quantize is None:  # the measured setting, where its kernel runs (bf16 activations on a CPU)
+        quantize = settings.get("quantize", "none")
+        if quantize == "int4" and (target.dtype != torch.bfloat16 or head.lm_rows.device.type != "cpu"):
+            quantize = "none"
+    head.for_inference(target.dtype, quantize=None if quantize == "none" else quantize)
     confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
     law = options.law or settings.get("law", "iid")
     return ShapeDrafter(head, TreeShape.widths(_widths(options.tree, settings["tree"])), law,

@@ -273,16 +273,18 @@ def test_file_missing_a_tensor_is_refused_before_allocation(tmp_path, target):
 
 
 def test_draft_auto_is_the_best_measured_drafter_per_temperature_and_dtype():
-    """auto: n-gram lookup at T=0; at T>0 on the embedded target the shipped head in bf16 and plain decoding in
-    float32 (train-prompt tuning runs, see treespec.cli._resolved_draft); n-gram lookup on any other target (the
-    head fits Gemma-3-270M only)."""
+    """auto on the embedded target: lookup+head at T=0 in bf16, n-gram lookup at T=0 in float32; at T>0 the
+    shipped head in bf16 and plain decoding in float32 (train-prompt tuning runs, see
+    treespec.cli._resolved_draft); n-gram lookup on any other target (the head fits Gemma-3-270M only)."""
     from treespec.cli import _resolved_draft, build_parser
 
     def resolved(*argv):
         return _resolved_draft(build_parser().parse_args(["generate", "x", *argv]))
 
+    assert resolved("--dtype", "bfloat16") == "lookup+head"
+    assert resolved("--dtype", "float32") == "ngram" and resolved("--exact") == "ngram"
     for dtype in ("bfloat16", "float32"):
-        assert resolved("--dtype", dtype) == "ngram"
+        assert resolved("--dtype", dtype, "--target", "some/other-model") == "ngram"
         assert resolved("--dtype", dtype, "--temperature", "1", "--target", "some/other-model") == "ngram"
         assert resolved("--dtype", dtype, "--temperature", "1", "--draft", "ngram") == "ngram"
     assert resolved("--temperature", "0.7", "--dtype", "bfloat16") == "head"
@@ -293,3 +295,5 @@ def test_draft_auto_is_the_best_measured_drafter_per_temperature_and_dtype():
     assert resolved("--temperature", "0.7", "--dtype", "float32", "--law", "without_replacement") == "head"
     args = build_parser().parse_args(["generate", "x", "--temperature", "1"])  # dtype auto: the run's own dtype wins
     assert _resolved_draft(args, torch.bfloat16) == "head" and _resolved_draft(args, torch.float32) == "none"
+    args = build_parser().parse_args(["generate", "x"])
+    assert _resolved_draft(args, torch.bfloat16) == "lookup+head" and _resolved_draft(args, torch.float32) == "ngram"

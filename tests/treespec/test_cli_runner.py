@@ -129,3 +129,57 @@ def test_draft_quantize_puts_a_head_on_4_bit_weights_through_the_cli(capsys, gem
                         (["--draft", str(head_file), "--dtype", "float32"], ["--draft-quantize int4", "bfloat16"])):
         code, _, err = _run_bf16(capsys, gemma_dir, "--draft-quantize", "int4", *argv)
         assert code == 2 and all(w in err for w in words), (argv, err)
+
+
+def test_the_shipped_heads_default_weights_follow_its_settings_where_the_kernel_runs(tmp_path, monkeypatch):
+    """DEFAULT_HEAD_SETTINGS puts the shipped head on 4-bit weights at both temperatures: in bf16 on a CPU the
+    head drafts on them unless the caller asks for 'none'; in float32 (no int4 kernel for it) and for any other
+    head file it computes in the target's dtype. The shipped head is stood in for by a tiny one."""
+    import torch
+
+    from treespec.drafters import DraftOptions, build_drafter
+    from treespec.drafting import shipped
+    from treespec.drafting.head import EagleHead, new_head
+    from treespec.drafting.subset_head import SubsetHead
+
+    head_file = tmp_path / "head.safetensors"
+    new_head(tiny_model("gemma3", VOCAB, seed=2), torch.arange(32), num_heads=4, intermediate_size=64).save(head_file)
+    asked, original = [], SubsetHead.for_inference
+
+    def spy(self, dtype, quantize=None):
+        asked.append(quantize)
+        return original(self, dtype, quantize)
+
+    monkeypatch.setattr(SubsetHead, "for_inference", spy)
+    monkeypatch.setattr(shipped, "load_default_head", lambda target: EagleHead.load(head_file, target))
+    bf16 = tiny_model("gemma3", VOCAB, seed=2).to(torch.bfloat16)
+    fp32 = tiny_model("gemma3", VOCAB, seed=2)
+    for temperature in (0.0, 1.0):
+        want = shipped.DEFAULT_HEAD_SETTINGS["greedy" if temperature == 0 else "sampled"].get("quantize")
+        assert want == "int4"  # the measured setting; the rest of the test follows it
+        for name in ("head", "lookup+head"):
+            asked.clear()
+            build_drafter(name, bf16, DraftOptions(), temperature=temperature)
+            assert asked == ["int4"], (name, temperature)
+        asked.clear()
+        build_drafter("head", bf16, DraftOptions(quantize="none"), temperature=temperature)
+        build_drafter("head", fp32, DraftOptions(), temperature=temperature)
+        build_drafter(str(head_file), bf16, DraftOptions(), temperature=temperature)
+        assert asked == [None, None, None]
+    with pytest.raises(ValueError, match="quantize='int8'"):
+        DraftOptions(quantize="int8")
+
+
+def test_the_cli_reports_the_heads_weights_and_takes_draft_quantize_none(capsys, gemma_dir, tmp_path):
+    import torch
+
+    from treespec.drafting.head import new_head
+
+    head_file = tmp_path / "head.safetensors"
+    new_head(tiny_model("gemma3", VOCAB, seed=2), torch.arange(32), num_heads=4, intermediate_size=64).save(head_file)
+    code, out, err = _run_bf16(capsys, gemma_dir, "--draft", f"lookup+{head_file}", "--draft-quantize", "int4")
+    assert code == 0 and out["statistics"]["draft_weights"] == "int4", err
+    code, out, err = _run_bf16(capsys, gemma_dir, "--draft", str(head_file), "--draft-quantize", "none")
+    assert code == 0 and out["statistics"]["draft_weights"] in ("packed", "plain"), err
+    code, out, err = _run_bf16(capsys, gemma_dir, "--draft", "ngram", "--draft-quantize", "none")  # nothing to do
+    assert code == 0 and "draft_weights" not in out["statistics"], err

@@ -27,9 +27,15 @@ DEFAULT_MEDUSA = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-m
 #: Re-checked for head v2 in bf16 (tuning/2026-11-25-6b9a6c8-bf16-v2-defaults: chains of 2 and 5, confidence
 #: 0.1, 2,1 and 3,1,1 without replacement, 2,1,1 greedy-draft): no variant beat these settings beyond the
 #: prompt-to-prompt spread at either temperature, and greedy-draft 2,1,1 was slower at T=1, so they stay.
+#: The head drafts on 4-bit weights (``quantize``) where torch's int4 CPU kernel runs (bf16 on a CPU; elsewhere
+#: it computes in the target's dtype), paired on 48 train prompts (AMD EPYC with avx512_bf16, head v2 continued
+#: six times): at T>0 (tuning/2026-11-27-4b0e164-epyc-v2cont6-t1-paired) faster than the bf16 head on 36 prompts,
+#: slower on 12 (sign test p = 0.0007), a median 1.07x, while trees of 4 siblings without replacement were not
+#: faster; at T=0 lookup+head on it (tuning/2026-11-27-4b0e164-epyc-v2cont6-t0-paired) beat n-gram lookup alone
+#: on 34 prompts of 48 (p = 0.0055), a median 1.06x (the head alone at T=0 follows the same setting, unmeasured).
 DEFAULT_HEAD_SETTINGS = {
-    "greedy": {"tree": (1, 1, 1), "min_confidence": 0.2},
-    "sampled": {"tree": (1, 1, 1), "min_confidence": 0.2, "law": "iid"},
+    "greedy": {"tree": (1, 1, 1), "min_confidence": 0.2, "quantize": "int4"},
+    "sampled": {"tree": (1, 1, 1), "min_confidence": 0.2, "law": "iid", "quantize": "int4"},
 }
 
 
