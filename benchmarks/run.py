@@ -11,10 +11,12 @@ Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--
 * treespec, drafters built exactly as ``treespec generate --draft X`` builds them (``treespec.cli``):
   ``ts_plain`` (no draft), ``ts_ngram`` (adaptive prompt lookup), ``ts_head`` (the shipped head with its
   shipped min-confidence), ``ts_head_chain`` (the head with ``--min-confidence 0``), ``ts_lookup_head``
-  (prompt lookup where the context repeats, the head elsewhere), ``ts_head_bf16`` (the head in the run's dtype,
+  (prompt lookup where the context repeats, the head elsewhere); in bf16 these head rows draft on the head's
+  4-bit weights, the CLI's default there; ``ts_head_bf16`` (the head unquantised, in the run's dtype,
   ``--draft-quantize none``; not in the default protocol), ``ts_head_int4`` (the head on 4-bit
-  weights, ``--draft-quantize int4``; not in the default protocol); which row is ``treespec generate``'s
-  default per dtype and temperature is read from the CLI and named in every table;
+  weights, ``--draft-quantize int4``: the same as ``ts_head`` in bf16; not in the default protocol); which row
+  is ``treespec generate``'s default per dtype and temperature is read from the CLI and named in every table,
+  and every row is paired against it;
 * Hugging Face transformers: ``hf_plain`` (``generate``), ``hf_prompt_lookup``
   (``prompt_lookup_num_tokens``), ``hf_assisted`` (assisted generation; the assistant is
   ``--assistant``, by default the target's own first 16 layers, ``early-exit:16``);
@@ -617,8 +619,8 @@ def write_report(out: Path, runs: list[dict], meta: dict, seed: int, total_round
     """summary.json, table.md and speedup.png from every measured row so far (partial runs say so)."""
     done = len({(r["dtype"], r["temperature"], r["prompt_id"], r["repeat"]) for r in runs})
     meta["rounds"] = {"done": done, "total": total_rounds}
-    prompt_rows = per_prompt_speedups(runs, {(r["dtype"], r["temperature"]): cli_default_method(r["dtype"], r["temperature"])
-                                             for r in runs})
+    blocks = {(r["dtype"], r["temperature"]) for r in runs}
+    prompt_rows = per_prompt_speedups(runs, {k: cli_default_method(*k) for k in blocks})
     summary = summarise(prompt_rows, seed)
     write_json(out / "summary.json", {"meta": meta, "summary": summary, "per_prompt": prompt_rows})
     (out / "table.md").write_text(markdown(summary, meta))

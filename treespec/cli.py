@@ -66,7 +66,8 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
       on 14 (sign test p = 0.0055; ``2026-11-27-4b0e164-epyc-v2cont6-t0-paired``, head v2 continued six times,
       AMD EPYC with avx512_bf16). Earlier heads only equalled n-gram lookup there (``2026-11-24-5cbee63-bf16-head-trees``,
       ``2026-11-26-b134a55-epyc-v2cont-defaults``);
-    * T=0 in float32: n-gram lookup (the best float32 row of the protocol);
+    * T=0 in float32, or with an explicit ``--tree`` (n-gram depth,branches, as before): n-gram lookup (the best
+      float32 row of the protocol);
     * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
       n-gram lookup, head v1 on the AMD EPYC; ``2026-11-25-6b9a6c8-bf16-v2-defaults``: head v2 1.22x against
       1.09x, on an Intel Xeon with native bf16), where a tree pass costs about one decoding step;
@@ -84,8 +85,8 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
         return "ngram"
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    if args.temperature <= 0:
-        return "lookup+head" if dtype == torch.bfloat16 else "ngram"
+    if args.temperature <= 0:  # an explicit --tree keeps its n-gram meaning (depth,branches) in every dtype
+        return "lookup+head" if dtype == torch.bfloat16 and args.tree is None else "ngram"
     asked = args.tree is not None or args.min_confidence is not None or args.law is not None  # speculation options
     if dtype == torch.bfloat16 or asked:  # an explicit --tree / --min-confidence / --law: the head follows them
         return "head"
@@ -102,6 +103,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.quantize != "none" and args.runner == "eager":
         raise CliInputError(f"--quantize {args.quantize} runs on the fast runner; it cannot be combined with "
                             f"--runner eager")
+    if args.draft_quantize not in ("auto", "none") and resolve_cli_dtype(args) != torch.bfloat16:
+        raise CliInputError(f"--draft-quantize {args.draft_quantize} needs bfloat16 (--dtype bfloat16; this run "
+                            f"would use {str(resolve_cli_dtype(args)).replace('torch.', '')})")
     if args.draft_quantize not in ("auto", "none"):
         draft = "none" if args.plain else _resolved_draft(args)
         if not (draft in ("head", "lookup+head") or draft.endswith(".safetensors")):
@@ -155,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "probability (default: the shipped head's measured setting)")
     g.add_argument("--tree", type=_branching, default=None,
                    help="children per depth for a model draft, e.g. 4 (chain of 4: 1,1,1,1) or 2,2,1; "
-                        "for ngram: depth,branches (default 8,4)")
+                        "for ngram: depth,branches (default 8,4); with --draft auto at T=0 it asks for n-gram lookup "
+                        "with that depth,branches (auto's lookup+head would otherwise ignore it)")
     g.add_argument("--law", choices=DRAFT_LAWS, default=None,
                    help="draft law of a model draft at temperature > 0 (default: the shipped head's own "
                         "setting for T > 0, iid for other drafts)")
@@ -186,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int4: a draft head's products run on 4-bit weights (about a third of the bf16 bytes a step "
                         "reads; another q, so other acceptance; lossless either way; needs bfloat16); none: the "
                         "head computes in the run's dtype; auto (default): the shipped head's measured setting, "
-                        "4-bit weights at T>0 in bfloat16 on a CPU, else none")
+                        "4-bit weights in bfloat16 on a CPU (both temperatures), else none; a head file of your own: "
+                        "none")
     g.add_argument("--plain", action="store_true", help="plain autoregressive decoding of the target, for comparison")
     g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
     g.add_argument("--json", action="store_true", help="print text, token_ids and statistics as JSON")
@@ -260,9 +266,6 @@ def run_generate(args) -> int:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")
-    if args.draft_quantize not in ("auto", "none") and dtype != torch.bfloat16:
-        raise CliInputError(f"--draft-quantize {args.draft_quantize} needs bfloat16 (--dtype bfloat16; this run "
-                            f"would use {str(dtype).replace('torch.', '')})")
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, dtype=dtype)
     drafter = _drafter(args, target, tokenizer, dtype)
@@ -299,8 +302,8 @@ def run_generate(args) -> int:
     else:
         print()
         weights = "" if args.quantize == "none" else f", {args.quantize} weights"
-        if head_weights == "int4":
-            weights += ", int4 draft head"
+        if head_weights is not None:
+            weights += f", {head_weights} draft head"
         print(f"[{info['method']}, {info['dtype']}{weights}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
               f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None)}", file=sys.stderr)

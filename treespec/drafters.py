@@ -62,8 +62,10 @@ def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int
 def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(),
                  temperature: float = 0.0) -> ShapeDrafter:
     """An EAGLE-style head (the shipped one when ``path`` is None) growing per-depth widths; the head
-    computes in the target's dtype (:meth:`~treespec.drafting.subset_head.SubsetHead.for_inference`).
-    Options left None take the shipped head's settings for ``temperature`` (0: greedy, else sampled)."""
+    computes in the target's dtype or on 4-bit weights (:meth:`~treespec.drafting.subset_head.SubsetHead.for_inference`).
+    Options left None take the shipped head's settings for ``temperature`` (0: greedy, else sampled), 4-bit weights
+    included where torch's int4 kernel runs (bf16 on a CPU); a head file of its own computes in the target's dtype
+    unless ``options.quantize`` asks for int4."""
     from .drafting.head import EagleHead
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
 

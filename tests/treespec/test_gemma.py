@@ -116,6 +116,26 @@ def test_cli_json_speculative_equals_plain(capsys, gemma, draft, method):
     assert isinstance(spec["text"], str) and spec["text"]
 
 
+@pytest.mark.parametrize("temperature, argv, method, weights", [
+    ("0", [], "FirstOf(NgramDrafter, ShapeDrafter)", {"int4"}),  # --draft auto at T=0 in bf16
+    ("1", [], "ShapeDrafter", {"int4"}),  # --draft auto at T>0 in bf16
+    ("1", ["--draft-quantize", "none"], "ShapeDrafter", {"packed", "plain"}),
+    ("0", ["--tree", "8,4"], "NgramDrafter", None),  # an explicit --tree keeps its n-gram meaning under auto
+])
+def test_cli_defaults_in_bf16_draft_with_the_measured_head_setting(capsys, temperature, argv, method, weights):
+    """The CLI's default drafters on the embedded target in bf16 (the tuned ones, treespec.cli._resolved_draft
+    and DEFAULT_HEAD_SETTINGS): the run says which drafter and which head weights it drafted with."""
+    args = ["generate", "Once upon a time, there was a little", "--max-new-tokens", "16", "--dtype", "bfloat16",
+            "--temperature", temperature, "--json", "--no-stop", "--threads", "2", *argv]
+    assert cli_main(args) == 0
+    stats = json.loads(capsys.readouterr().out)["statistics"]
+    assert stats["method"] == method and stats["new_tokens"] == 16
+    if weights is None:
+        assert "draft_weights" not in stats
+    else:
+        assert stats["draft_weights"] in weights
+
+
 def test_int4_target_tree_pass_equals_its_per_path_passes():
     """The opt-in 4-bit target on the real model, in bf16 (its kernel's fast dtype): one tree pass gives,
     for every node, the logits of a causal pass over that node's path alone, up to bf16 rounding (within

@@ -21,7 +21,7 @@ DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-hea
 #: ``python -m treespec.distill medusa`` on the same corpora, see the README)
 DEFAULT_MEDUSA = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-medusa.safetensors"
 
-#: how the CLI drafts with it when no --tree / --min-confidence / --law is given, at T=0 ("greedy") and at
+#: how the CLI drafts with it when no --tree / --min-confidence / --law / --draft-quantize is given, at T=0 ("greedy") and at
 #: T>0 ("sampled"); chosen on train prompts (benchmarks/results/tuning/; T=0: confidence 0.2 beat 0.4 for
 #: lookup+head, 2.32x against 2.16x over plain decoding in fp32; T>0 keeps the same chain, drawn iid).
 #: Re-checked for head v2 in bf16 (tuning/2026-11-25-6b9a6c8-bf16-v2-defaults: chains of 2 and 5, confidence
