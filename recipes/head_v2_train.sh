@@ -8,9 +8,11 @@
 #   outputs of decoder layers 2 and 9 of 18, for heads with fused features; soft labels are recomputed
 #   exactly on the head's vocabulary subset while training, so no top-k is stored).
 #   Shards live in the cache (~3.9 KB a position); a lost cache is rebuilt from the committed chunks.
+#   TREESPEC_CACHE=$PWD/.cache/treespec (ignored by git) keeps shards and checkpoints beside the repository, whose
+#   folder has outlived ~/.cache between sessions (it needs the target there too: copy ~/.cache/treespec/gemma-3-270m-v1).
 # Stage 3: training the head from scratch on those shards with the training-time test (depths 1-3,
 #   EAGLE-3 arXiv 2503.01840); checkpoints in the cache, resumed by running the recipe again. The run trains
-#   on the first PIN shards of each corpus (v2-greedy, v2-sample, v3-sample), so that continuations added later
+#   on the first PIN shards of each corpus (v2-greedy, v2-sample, v3-sample, v4-sample), so that continuations added later
 #   never change its data; a PIN of fewer values reads the first corpora only (PIN=47,40: the two v2 corpora, as
 #   the runs before v3-sample did). Cost measured at commit c644d9f (bf16 autocast, subset logits in bf16, one thread of an AMD EPYC
 #   with avx512_bf16): 4.8 s a step at --depths 3, 1.9 s at --depths 1; in float32 on a CPU without native
@@ -21,7 +23,8 @@
 # STEPS (training steps), RUN (run name, default head-v2), INIT (a head file a NEW run starts from, e.g. the
 # shipped treespec/assets/gemma3-270m-head.safetensors: continued training), LR (default 0.001), WARMUP (default 200),
 # SEED (default 0; it orders the batches: give a continued run another seed, so that it reads the data in another order),
-# W_TV (default 0: weight of the total-variation loss).
+# W_TV (default 0: weight of the total-variation loss), CORPORA (the corpora the training step reads, comma-separated
+# names in order, e.g. v2-greedy,v3-sample,v4-sample; default: the first as many as PIN gives counts).
 #
 # Only the repository survives between sessions: the cache (shards, checkpoints) can be gone at the next
 # start, and a session lasts 3 hours. Session 16's 4,000-step run on PIN=47,21 (2.8M positions, ~2.5 h of two
@@ -78,6 +81,18 @@
 #     STEPS=2400 PIN=47,40,47 THREADS=2 MINUTES=150 recipes/head_v2_train.sh
 #   python -m treespec.distill export --run head-v2-cont6 --out treespec/assets/gemma3-270m-head.safetensors
 # (the head it continued: git show 4fc3132:treespec/assets/gemma3-270m-head.safetensors).
+# Seventh continuation (session 27, an AMD EPYC with avx512_bf16; the cache was gone, so stage 2 was rebuilt first, in
+# a cache inside the repository folder: v2-greedy, v3-sample and the 11 committed chunks of v4-sample, ~35-50 s a shard
+# on one core, two or three builders side by side), then 1,600 steps from the head above on 47 + 47 + 11 shards
+# (4.14M positions: v2-sample, read by every run since head-v2-cont, was left out to fit the session), on two threads
+# (~2.3 s a step):
+#   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=corpus recipes/head_v2_train.sh   (run here as one builder per corpus,
+#     side by side; v2-sample's shards are not needed by this run)
+#   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=train RUN=head-v2-cont7 INIT=treespec/assets/gemma3-270m-head.safetensors \
+#     SEED=7 LR=0.0005 WARMUP=50 STEPS=1600 CORPORA=v2-greedy,v3-sample,v4-sample PIN=47,47,11 THREADS=2 MINUTES=75 \
+#     recipes/head_v2_train.sh
+#   python -m treespec.distill export --run head-v2-cont7 --out treespec/assets/gemma3-270m-head.safetensors
+# (the head it continued: git show 76b7f57:treespec/assets/gemma3-270m-head.safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-60}"
@@ -87,8 +102,9 @@ PY="${PY:-.venv/bin/python}"
 CONT="${CONT:-corpora/head-v2/continuations}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
-PIN="${PIN:-47,40,47}"  # shards the run reads of each corpus: v2-greedy (all 6,000 sequences), v2-sample (all 5,000),
-# v3-sample (all 6,000; head-v2-cont5 read its first 24 chunks of 128 sequences, the ones finished when it started)
+PIN="${PIN:-47,40,47,11}"  # shards the run reads of each corpus: v2-greedy (all 6,000 sequences), v2-sample (all 5,000),
+# v3-sample (all 6,000; head-v2-cont5 read its first 24 chunks of 128 sequences, the ones finished when it started),
+# v4-sample (its first 11 chunks: the ones committed when head-v2-cont7 started)
 STEPS="${STEPS:-4000}"
 RUN="${RUN:-head-v2}"
 LR="${LR:-0.001}"
@@ -98,7 +114,7 @@ W_TV="${W_TV:-0}"  # weight of the total-variation loss (1 - sum min(p, q)); 0 i
 init=()
 [ -n "${INIT:-}" ] && init=(--init-head "$INIT")  # ignored by a run that already has checkpoints (it resumes)
 corpora=()
-for spec in v2-greedy:0:6000 v2-sample:6000:11000 v3-sample:0:6000; do
+for spec in v2-greedy:0:6000 v2-sample:6000:11000 v3-sample:0:6000 v4-sample:6000:11000; do
     name="${spec%%:*}"; rows="${spec#*:}"
     [ -f "$CONT/$name/manifest.json" ] || continue
     corpora+=("$CACHE/corpus/head-$name-f${LAYERS/,/-}")
@@ -113,6 +129,11 @@ if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
     IFS=, read -ra pins <<< "$PIN"
     # as many corpora as PIN gives counts (the runs before v3-sample: the first two); one count reads every corpus
     [ "${#pins[@]}" -gt 1 ] && corpora=("${corpora[@]:0:${#pins[@]}}")
+    if [ -n "${CORPORA:-}" ]; then  # the corpora named, in this order (PIN: one count each)
+        corpora=()
+        IFS=, read -ra names <<< "$CORPORA"
+        for name in "${names[@]}"; do corpora+=("$CACHE/corpus/head-$name-f${LAYERS/,/-}"); done
+    fi
     (IFS=,; "$PY" -m treespec.distill train --corpus "${corpora[*]}" --run "$RUN" "${init[@]}" \
         --vocab-size 16384 --depths 3 --depth-decay 0.8 --feature-noise 0.05 --w-hard 0.1 \
         --steps "$STEPS" --batch-size 8 --seq-len 256 --lr "$LR" --warmup "$WARMUP" --ckpt-every 100 --max-shards "$PIN" --seed "$SEED" --w-tv "$W_TV" \
