@@ -3,7 +3,7 @@
     python -m treespec.distill evaluate --head H --num-prompts 12 --new-tokens 48 --tau --json M
     python benchmarks/draft_card.py --head H --metrics M --corpus train-k0,train-greedy,train-sample \
         [--run-summary ~/.cache/treespec/distill/runs/RUN/summary.json] [--continues EARLIER/metrics.json] \
-        --card treespec/assets/gemma3-270m-head.md
+        [--baseline EARLIER_HEAD_NOW.json] --card treespec/assets/gemma3-270m-head.md
 
 Everything in the card comes from files, nothing is typed by hand: the head's own metadata
 (architecture, training config, step), the corpus manifests under the distill cache (sources,
@@ -149,9 +149,34 @@ def _step_how(cost: dict) -> str:
             f"{', ' + cost.get('head_weights', 'packed') if cost['head_packed'] else ''}, as the CLI drafts")
 
 
+PAIRED_KEYS = ("prompt_set", "prompts", "new_tokens", "positions_T0", "positions_T1")
+
+
+def paired_lines(metrics: dict, baseline: dict) -> list[str]:
+    """The like-for-like lines: ``baseline`` is the ``evaluate --json`` of the head a continued run started
+    from, measured by the same command on the same prompts and cached target continuations as ``metrics``
+    (the history rows may come from other hosts, whose continuations differ). Refuses a baseline measured on
+    other positions."""
+    differ = [k for k in PAIRED_KEYS if baseline.get(k) != metrics.get(k)]
+    if differ:
+        raise ValueError("the baseline was not measured on the same positions as the metrics (" + ", ".join(
+            f"{k}: {baseline.get(k)!r} against {metrics.get(k)!r}" for k in differ) + "): no paired comparison")
+
+    def deep(key: str) -> str:
+        b, m = baseline.get(key) or [], metrics.get(key) or []
+        return f", depth {len(m)} {b[-1]:.3f} -> {m[-1]:.3f}" if b and len(b) == len(m) else ""
+
+    return ["", "Like for like: the head this run started from, measured by the same command on the same "
+            f"{metrics['positions_T0']} T=0 and {metrics['positions_T1']} T=1 positions (the same cached target "
+            f"continuations): T=0 top-1 {baseline['top1_agreement_T0']:.3f} -> {metrics['top1_agreement_T0']:.3f}"
+            f"{deep('top1_agreement_T0_by_depth')}; T=1 sum min(p, q) {baseline['sum_min_pq_T1']:.3f} -> "
+            f"{metrics['sum_min_pq_T1']:.3f}{deep('sum_min_pq_T1_by_depth')}. One head each on one set of positions: "
+            "no interval."]
+
+
 def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summary: dict | None,
            commit: str, history: list[tuple[str, dict]] = (),
-           continues: tuple[str, dict] | None = None) -> str:
+           continues: tuple[str, dict] | None = None, baseline: dict | None = None) -> str:
     cfg, extra = meta["config"], meta["extra"]
     summary = extra.get("summary", {})
     tc, _ = train_facts(meta)
@@ -252,6 +277,8 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
     if "tau_chain4_T0" in metrics:
         lines.append(f"- tau of a chain of 4 in the engine: {metrics['tau_chain4_T0']:.2f} at T=0, "
                      f"{metrics['tau_chain4_T1']:.2f} at T=1.")
+    if baseline is not None:
+        lines += paired_lines(metrics, baseline)
     if history:
         lines += ["", "## Earlier heads (history)", "",
                   "Each from its own record under `benchmarks/results/draft/`; prompts, lengths and dtype differ "
@@ -289,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--continues", type=Path, default=None,
                     help="the draft record (benchmarks/results/draft/*/metrics.json) of the head this run started "
                          "from (train --init-head): the card states that head's training too")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="evaluate --json of the head this run started from, measured by the same command on the same "
+                         "prompts and cached continuations: the card states the paired change (stored in the record)")
     ap.add_argument("--card", type=Path, required=True, help="where to write the model card (e.g. treespec/assets/...md)")
     add_output_args(ap)
     args = ap.parse_args(argv)
@@ -302,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     tc, _ = train_facts(meta)
     corpora = corpus_stats(names, pinned_shards(trained_on or names, tc.get("max_shards")))
     metrics = json.loads(args.metrics.read_text())
+    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
+    if baseline is not None:
+        try:
+            paired_lines(metrics, baseline)  # refused before the record folder is made
+        except ValueError as err:
+            raise SystemExit(f"--baseline {args.baseline}: {err}") from None
     rec, prov = open_results("draft", args.out, allow_dirty=args.allow_dirty)
     run_summary = json.loads(args.run_summary.read_text()) if args.run_summary else None
     commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
@@ -314,15 +350,18 @@ def main(argv: list[str] | None = None) -> int:
 
     history = [record_of(path) for path in args.history]
     continues = record_of(args.continues) if args.continues else None
-    card = render(args.head, meta, metrics, corpora, run_summary, commit, history, continues)
+    card = render(args.head, meta, metrics, corpora, run_summary, commit, history, continues, baseline)
     atomic_write_text(args.card, card)
     write_json(rec / "metrics.json", {"metrics": metrics, "corpora": corpora, "run_summary": run_summary,
                                       "sources": {"head": str(args.head), "metrics": str(args.metrics),
                                                   "run_summary": str(args.run_summary) if args.run_summary else None,
                                                   "history": [str(p) for p in args.history],
-                                                  "continues": str(args.continues) if args.continues else None},
+                                                  "continues": str(args.continues) if args.continues else None,
+                                                  "baseline": str(args.baseline) if args.baseline else None},
                                       "head_metadata": {k: meta[k] for k in ("config", "extra")}})
     atomic_write_text(rec / "card.md", card)
+    if baseline is not None:
+        write_json(rec / "previous-head-metrics.json", baseline)
     finish(rec, started)
     print(card)
     return 0

@@ -8,13 +8,14 @@
 #   outputs of decoder layers 2 and 9 of 18, for heads with fused features; soft labels are recomputed
 #   exactly on the head's vocabulary subset while training, so no top-k is stored).
 #   Shards live in the cache (~3.9 KB a position); a lost cache is rebuilt from the committed chunks.
-#   TREESPEC_CACHE=$PWD/.cache/treespec (ignored by git) keeps shards and checkpoints beside the repository, whose
-#   folder has outlived ~/.cache between sessions (it needs the target there too: copy ~/.cache/treespec/gemma-3-270m-v1).
+#   TREESPEC_CACHE=$PWD/.cache/treespec, run from the repository root (.cache/ is ignored by git), keeps shards and
+#   checkpoints beside the repository, whose folder has outlived ~/.cache between sessions (copy
+#   ~/.cache/treespec/gemma-3-270m-v1 there too to skip converting the target again, ~90 s).
 # Stage 3: training the head from scratch on those shards with the training-time test (depths 1-3,
 #   EAGLE-3 arXiv 2503.01840); checkpoints in the cache, resumed by running the recipe again. The run trains
 #   on the first PIN shards of each corpus (v2-greedy, v2-sample, v3-sample, v4-sample), so that continuations added later
 #   never change its data; a PIN of fewer values reads the first corpora only (PIN=47,40: the two v2 corpora, as
-#   the runs before v3-sample did). Cost measured at commit c644d9f (bf16 autocast, subset logits in bf16, one thread of an AMD EPYC
+#   the runs before v3-sample did), unless CORPORA names them. Cost measured at commit c644d9f (bf16 autocast, subset logits in bf16, one thread of an AMD EPYC
 #   with avx512_bf16): 4.8 s a step at --depths 3, 1.9 s at --depths 1; in float32 on a CPU without native
 #   bf16 expect several times more.
 #
@@ -24,7 +25,8 @@
 # shipped treespec/assets/gemma3-270m-head.safetensors: continued training), LR (default 0.001), WARMUP (default 200),
 # SEED (default 0; it orders the batches: give a continued run another seed, so that it reads the data in another order),
 # W_TV (default 0: weight of the total-variation loss), CORPORA (the corpora the training step reads, comma-separated
-# names in order, e.g. v2-greedy,v3-sample,v4-sample; default: the first as many as PIN gives counts).
+# names in order, e.g. v2-greedy,v3-sample,v4-sample; default: the first as many as PIN gives counts, one count: every
+# corpus; with CORPORA set, PIN must be given too, and the corpus step builds only the corpora named).
 #
 # Only the repository survives between sessions: the cache (shards, checkpoints) can be gone at the next
 # start, and a session lasts 3 hours. Session 16's 4,000-step run on PIN=47,21 (2.8M positions, ~2.5 h of two
@@ -86,8 +88,9 @@
 # on one core, two or three builders side by side), then 1,600 steps from the head above on 47 + 47 + 11 shards
 # (4.14M positions: v2-sample, read by every run since head-v2-cont, was left out to fit the session), on two threads
 # (~2.3 s a step):
-#   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=corpus recipes/head_v2_train.sh   (run here as one builder per corpus,
-#     side by side; v2-sample's shards are not needed by this run)
+#   for c in v2-greedy v3-sample v4-sample; do   # one builder per corpus, side by side (here on two cores)
+#     TREESPEC_CACHE=$PWD/.cache/treespec STAGE=corpus CORPORA=$c PIN=1 THREADS=1 MINUTES=150 recipes/head_v2_train.sh &
+#   done; wait
 #   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=train RUN=head-v2-cont7 INIT=treespec/assets/gemma3-270m-head.safetensors \
 #     SEED=7 LR=0.0005 WARMUP=50 STEPS=1600 CORPORA=v2-greedy,v3-sample,v4-sample PIN=47,47,11 THREADS=2 MINUTES=75 \
 #     recipes/head_v2_train.sh
@@ -102,6 +105,7 @@ PY="${PY:-.venv/bin/python}"
 CONT="${CONT:-corpora/head-v2/continuations}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 LAYERS=2,9  # stored besides the last hidden state (a low and a middle layer of Gemma-3-270M's 18)
+[ -n "${CORPORA:-}" ] && [ -z "${PIN:-}" ] && { echo "CORPORA is set: give PIN too (one shard count per corpus)" >&2; exit 2; }
 PIN="${PIN:-47,40,47,11}"  # shards the run reads of each corpus: v2-greedy (all 6,000 sequences), v2-sample (all 5,000),
 # v3-sample (all 6,000; head-v2-cont5 read its first 24 chunks of 128 sequences, the ones finished when it started),
 # v4-sample (its first 11 chunks: the ones committed when head-v2-cont7 started)
@@ -117,6 +121,7 @@ corpora=()
 for spec in v2-greedy:0:6000 v2-sample:6000:11000 v3-sample:0:6000 v4-sample:6000:11000; do
     name="${spec%%:*}"; rows="${spec#*:}"
     [ -f "$CONT/$name/manifest.json" ] || continue
+    [ -n "${CORPORA:-}" ] && [[ ",$CORPORA," != *",$name,"* ]] && continue  # only the corpora named
     corpora+=("$CACHE/corpus/head-$name-f${LAYERS/,/-}")
     if [ "$STAGE" = corpus ] || [ "$STAGE" = all ]; then
         "$PY" -m treespec.distill build-corpus --continuations "$CONT/$name" --rows "$rows" \

@@ -508,3 +508,24 @@ def test_the_paired_column_follows_the_cli_default():
     want = {("bfloat16", 0.0): "ts_lookup_head", ("bfloat16", 0.7): "ts_head", ("bfloat16", 1.0): "ts_head",
             ("float32", 0.0): "ts_ngram", ("float32", 0.7): "ts_plain", ("float32", 1.0): "ts_plain"}
     assert {k: run.cli_default_method(*k) for k in want} == want
+
+
+def test_draft_card_states_the_paired_change_and_refuses_other_positions():
+    """With a baseline (the earlier head measured on the same positions) the card states the paired change,
+    read from both files; a baseline measured on other positions is refused, and without one no such line."""
+    from benchmarks.draft_card import head_metadata, paired_lines, render
+
+    rec = json.loads((common.RESULTS / "draft" / "2026-11-22-010e29c-dirty" / "metrics.json").read_text())
+    head = common.REPO / "treespec" / "assets" / "gemma3-270m-head.safetensors"
+    meta = head_metadata(head)
+    metrics = dict(rec["metrics"], top1_agreement_T0=0.648, sum_min_pq_T1=0.484,
+                   top1_agreement_T0_by_depth=[0.648, 0.571], sum_min_pq_T1_by_depth=[0.484, 0.431])
+    base = dict(metrics, top1_agreement_T0=0.640, sum_min_pq_T1=0.476,
+                top1_agreement_T0_by_depth=[0.640, 0.567], sum_min_pq_T1_by_depth=[0.476, 0.421])
+    card = render(head, meta, metrics, rec["corpora"], None, "abc1234", (), None, base)
+    assert "T=0 top-1 0.640 -> 0.648, depth 2 0.567 -> 0.571" in card
+    assert "T=1 sum min(p, q) 0.476 -> 0.484, depth 2 0.421 -> 0.431" in card
+    assert "Like for like" not in render(head, meta, metrics, rec["corpora"], None, "abc1234")
+    for key in ("positions_T1", "prompts"):
+        with pytest.raises(ValueError, match=key):
+            paired_lines(metrics, dict(base, **{key: (base.get(key) or 0) + 1}))
