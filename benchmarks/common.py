@@ -113,17 +113,32 @@ def tracked_files_under(path: Path, repo: Path = REPO) -> list[str]:
 
 def cpu_info() -> dict:
     """CPU model and the flags that matter for bf16 / AMX / AVX-512 (read from /proc/cpuinfo)."""
-    cpu, flags = "unknown", set()
+    cpu, flags, ids = "unknown", set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == "unknown":
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and cpu == "unknown":
+                cpu = value
+            if key == "flags" and not flags:
+                flags = set(value.split())
+            # hosts sold under one model name differ (an "AMD EPYC" of family 25 model 17 at 2.6 GHz is
+            # not every "AMD EPYC"): family, model and clock tell two records' hosts apart
+            if key in ("cpu family", "model", "cpu MHz") and key not in ids:
+                ids[key] = value
     except OSError:
         cpu = platform.processor() or "unknown"
     present = {f: (f in flags) for f in CPU_FLAGS}
-    return {"cpu": cpu, "cpu_flags": present, "bf16_native": present["avx512_bf16"] or present["amx_bf16"]}
+    return {"cpu": cpu, "cpu_flags": present, "bf16_native": present["avx512_bf16"] or present["amx_bf16"],
+            "cpu_family": ids.get("cpu family"), "cpu_model": ids.get("model"), "cpu_mhz": ids.get("cpu MHz")}
+
+
+def host_name(machine: dict) -> str:
+    """The CPU as a results header names it: model name, then family / model / clock where known."""
+    ids = [f"{label} {machine[key]}" for key, label in (("cpu_family", "family"), ("cpu_model", "model"))
+           if machine.get(key)]
+    if machine.get("cpu_mhz"):
+        ids.append(f"{float(machine['cpu_mhz']):.0f} MHz")
+    return machine.get("cpu", "unknown") + (f" ({', '.join(ids)})" if ids else "")
 
 
 def versions() -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
+from benchmarks.common import add_output_args, finish, host_name, open_results, write_json  # noqa: E402
 from treespec.models.loading import load_draft_model, load_model  # noqa: E402
 from treespec.calibration import measure_profile  # noqa: E402
 
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["verification"] = verification_times(target, rounds=args.repeats)
     write_json(out / "meta.json", meta)
     lines = [f"# Hardware profile ({meta['commit']}): Gemma-3-270M {args.dtype}, {args.threads} threads", "",
-             f"{meta['machine']['cpu']}"]
+             f"{host_name(meta['machine'])}"]
     for mode, prof in profs.items():
         name = mode if isinstance(mode, str) else ("fast" if mode else "eager")
         main = [m for m in modes if not isinstance(m, str)][-1]  # the unquantised runner the choosers reuse

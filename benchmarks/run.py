@@ -68,6 +68,7 @@ from benchmarks.common import (  # noqa: E402
     cpu_info,
     finish,
     git_state,
+    host_name,
     machine_info,
     load_prompts,
     load_train_prompts,
@@ -458,7 +459,7 @@ def markdown(summary: dict, meta: dict) -> str:
     lines = [f"# Speed benchmark (commit {prov['commit_short']}{' DIRTY, see diff.patch' if prov['dirty'] else ''}, "
              f"{prov['date_utc']})", "",
              f"- Command: `{prov['command']['shell']}`",
-             f"- Machine: {mach['cpu']}, {mach['cores']} cores; flags: {flags}; bf16 native: {mach['bf16_native']}",
+             f"- Machine: {host_name(mach)}, {mach['cores']} cores; flags: {flags}; bf16 native: {mach['bf16_native']}",
              f"- Versions: " + ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v),
              f"- Protocol: {st['prompts']} prompts ({st['prompt_set']}), {st['max_new_tokens']} new tokens (EOS ignored), "
              f"{st['repeats']} repeat(s) per prompt in interleaved rounds (baselines first, others shuffled; reversed "
@@ -478,6 +479,11 @@ def markdown(summary: dict, meta: dict) -> str:
                      f"round-robin over subtasks); continue with `python benchmarks/run.py --resume DIR`")
     for sess in prov.get("sessions", []):
         lines.append(f"- Resumed {sess['date_utc']} at commit {sess['commit'][:7]}")
+    for dtype, ref in meta.get("host_stream", {}).items():
+        lines.append(f"- Host reference ({dtype}): reading the target's {ref['mb']:.0f} MB of weights once took "
+                     f"{ref['median_ms']:.1f} ms (median; range {ref['min_ms']:.1f} to {ref['max_ms']:.1f}) over "
+                     f"{ref['rounds']} readings, one after each prompt's round: hosts of one CPU name differ, and "
+                     "this figure tells two records' hosts apart")
     lines.append("")
     for key, block in summary.items():
         lines += [f"## {key}", "",
@@ -615,10 +621,25 @@ def read_rounds(path: Path) -> list[dict]:
     return rows
 
 
+def host_stream(runs: list[dict]) -> dict:
+    """Per dtype, the host's weight-read times recorded with the rounds (``host_stream_s``, one per
+    round: every row of a round carries it) as median / range in ms and the bytes read."""
+    out = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        per_round = {(r["temperature"], r["prompt_id"], r["repeat"]): r for r in runs
+                     if r["dtype"] == dtype and r.get("host_stream_s") is not None}
+        times = [r["host_stream_s"] * 1000 for r in per_round.values()]
+        if times:
+            out[dtype] = {"median_ms": median(times), "min_ms": min(times), "max_ms": max(times),
+                          "rounds": len(times), "mb": next(iter(per_round.values()))["host_stream_bytes"] / 1e6}
+    return out
+
+
 def write_report(out: Path, runs: list[dict], meta: dict, seed: int, total_rounds: int) -> None:
     """summary.json, table.md and speedup.png from every measured row so far (partial runs say so)."""
     done = len({(r["dtype"], r["temperature"], r["prompt_id"], r["repeat"]) for r in runs})
     meta["rounds"] = {"done": done, "total": total_rounds}
+    meta["host_stream"] = host_stream(runs)
     blocks = {(r["dtype"], r["temperature"]) for r in runs}
     prompt_rows = per_prompt_speedups(runs, {k: cli_default_method(*k) for k in blocks})
     summary = summarise(prompt_rows, seed)
@@ -731,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out / "provenance.json", prov)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
+    from treespec.calibration import measure_weight_stream
     from treespec.models.loading import load_draft_model, load_model, load_tokenizer
 
     tok = load_tokenizer("embedded")
@@ -792,11 +814,14 @@ def main(argv: list[str] | None = None) -> int:
                     if len(res[m.name][1]["tokens"]) != args.max_new_tokens:  # every row times the same work
                         raise RuntimeError(f"{m.name} generated {len(res[m.name][1]['tokens'])} tokens for prompt "
                                            f"{p['id']} at T={temp:g}, not the {args.max_new_tokens} asked for")
+                # the host's memory speed beside the round (reading every target weight once)
+                stream_s, stream_bytes = measure_weight_stream(model, repeats=1)
                 for name, (m, r) in res.items():
                     own = res.get(BASELINES[m.engine], (None, None))[1]
                     row = {"dtype": dtype, "temperature": temp, "prompt_id": p["id"], "subtask": p["subtask"],
                            "repeat": rep, "method": name, "engine": m.engine, "new_tokens": len(r["tokens"]),
-                           **{k: v for k, v in r.items() if k != "tokens"}}
+                           **{k: v for k, v in r.items() if k != "tokens"},
+                           "host_stream_s": stream_s, "host_stream_bytes": stream_bytes}
                     if temp == 0:
                         row["equal_to_own_plain"] = own is not None and r["tokens"] == own["tokens"]
                         row["equal_to_ts_plain"] = r["tokens"] == res["ts_plain"][1]["tokens"]

@@ -44,6 +44,7 @@ def test_clean_tree_records_commit_machine_versions_command(repo):
     m = saved["machine"]
     assert m["cpu"] and "avx512_bf16" in m["cpu_flags"] and "amx_bf16" in m["cpu_flags"]
     assert isinstance(m["bf16_native"], bool)
+    assert {"cpu_family", "cpu_model", "cpu_mhz"} <= set(m)
     assert {"python", "torch", "transformers", "numpy"} <= set(saved["versions"])
     assert saved["command"]["argv"] and saved["date_utc"]
 
@@ -529,3 +530,19 @@ def test_draft_card_states_the_paired_change_and_refuses_other_positions():
     for key in ("positions_T1", "prompts"):
         with pytest.raises(ValueError, match=key):
             paired_lines(metrics, dict(base, **{key: (base.get(key) or 0) + 1}))
+
+
+def test_host_name_and_host_stream_summary():
+    from benchmarks import run
+    from benchmarks.common import host_name
+
+    assert host_name({"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "cpu_mhz": "2596.128"}) == \
+        "AMD EPYC (family 25, model 17, 2596 MHz)"
+    assert host_name({"cpu": "AMD EPYC", "cpu_family": None, "cpu_model": None, "cpu_mhz": None}) == "AMD EPYC"
+    rows = [{"dtype": "bfloat16", "temperature": t, "prompt_id": p, "repeat": 0, "method": m,
+             "host_stream_s": s, "host_stream_bytes": 536e6}
+            for (t, p, s) in ((0.0, "a", 0.012), (0.0, "b", 0.020), (1.0, "a", 0.016)) for m in ("x", "y", "z")]
+    rows.append({"dtype": "float32", "temperature": 0.0, "prompt_id": "a", "repeat": 0, "method": "x"})  # no reading
+    ref = run.host_stream(rows)
+    # one reading per round (three rows share it), not one per row
+    assert ref == {"bfloat16": {"median_ms": 16.0, "min_ms": 12.0, "max_ms": 20.0, "rounds": 3, "mb": 536.0}}

@@ -47,6 +47,9 @@ def test_run_quick(tmp_path, dtype):
         assert ("treespec generate --draft head --tree 2,1 --min-confidence 0.2 --law without_replacement "
                 "--draft-quantize int4") in (out / "table.md").read_text()
     assert {r["dtype"] for r in rows} == {dtype} and all(r["new_tokens"] > 0 for r in rows)
+    # the host reference: one weight read per round, in every row of it, summarised in the table
+    assert all(r["host_stream_s"] > 0 and r["host_stream_bytes"] > 4e8 for r in rows)
+    assert f"- Host reference ({dtype}): reading the target's" in (out / "table.md").read_text()
     if dtype == "float32":  # T=0 in fp32: treespec rows are token-identical to its plain decoding
         assert all(r["equal_to_ts_plain"] for r in rows if r["engine"] == "treespec")
 
