@@ -507,6 +507,16 @@ def markdown(summary: dict, meta: dict) -> str:
             for m, pe in paired.items():
                 if m != default:
                     lines.append(f"| {m} | {_fmt(pe)} | {pe['wins']} / {pe['losses']} | {pe['p_sign']:.3g} |")
+        parts = meta.get("round_parts", {}).get(key)
+        if parts:
+            lines += ["", "Where a round goes (treespec rows; ms per target round, every round of every prompt pooled; "
+                      "verify = the target's tree pass and the verifier; the prefill spread over the rounds):", "",
+                      "| method | rounds | draft | verify | other | prefill | drafted nodes | tokens / round |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for m, e in parts.items():
+                lines.append(f"| {m} | {e['rounds']} | {e['draft_ms']:.1f} | {e['verify_ms']:.1f} | "
+                             f"{e['other_ms']:.1f} | {e['prefill_ms']:.1f} | {e['nodes']:.2f} | "
+                             f"{e['tokens_per_round']:.2f} |")
         subs = list(dict.fromkeys(s for e in block.values() for s in e["per_subtask"]))
         lines += ["", "Per subtask: speedup vs the method's own engine's plain decoding (median [95% CI]):", "",
                   "| method | " + " | ".join(subs) + " |", "|---|" + "---|" * len(subs)]
@@ -635,11 +645,35 @@ def host_stream(runs: list[dict]) -> dict:
     return out
 
 
+def round_parts(runs: list[dict]) -> dict:
+    """Per block and treespec method, where a target round goes: draft, verify (the target's tree pass
+    and the verifier) and other (accept and commit) in ms per round, the prefill spread over the rounds,
+    the mean drafted nodes per tree and the tokens a round emits (every round of every prompt pooled)."""
+    out: dict = {}
+    for r in runs:
+        if r.get("draft_s") is None or not r.get("target_calls"):
+            continue
+        acc = out.setdefault(f"{r['dtype']}/T={r['temperature']:g}", {}).setdefault(
+            r["method"], {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0, "prefill_s": 0.0, "rounds": 0,
+                          "tokens": 0, "node_rounds": 0.0})
+        for k in ("draft_s", "verify_s", "other_s", "prefill_s"):
+            acc[k] += r[k]
+        acc["rounds"] += r["target_calls"]
+        acc["tokens"] += r["new_tokens"]
+        acc["node_rounds"] += r["mean_tree_nodes"] * r["target_calls"]
+    return {key: {m: {"draft_ms": 1000 * a["draft_s"] / a["rounds"], "verify_ms": 1000 * a["verify_s"] / a["rounds"],
+                      "other_ms": 1000 * a["other_s"] / a["rounds"], "prefill_ms": 1000 * a["prefill_s"] / a["rounds"],
+                      "nodes": a["node_rounds"] / a["rounds"], "tokens_per_round": a["tokens"] / a["rounds"],
+                      "rounds": a["rounds"]} for m, a in block.items()}
+            for key, block in out.items()}
+
+
 def write_report(out: Path, runs: list[dict], meta: dict, seed: int, total_rounds: int) -> None:
     """summary.json, table.md and speedup.png from every measured row so far (partial runs say so)."""
     done = len({(r["dtype"], r["temperature"], r["prompt_id"], r["repeat"]) for r in runs})
     meta["rounds"] = {"done": done, "total": total_rounds}
     meta["host_stream"] = host_stream(runs)
+    meta["round_parts"] = round_parts(runs)
     blocks = {(r["dtype"], r["temperature"]) for r in runs}
     prompt_rows = per_prompt_speedups(runs, {k: cli_default_method(*k) for k in blocks})
     summary = summarise(prompt_rows, seed)

@@ -546,3 +546,20 @@ def test_host_name_and_host_stream_summary():
     ref = run.host_stream(rows)
     # one reading per round (three rows share it), not one per row
     assert ref == {"bfloat16": {"median_ms": 16.0, "min_ms": 12.0, "max_ms": 20.0, "rounds": 3, "mb": 536.0}}
+
+
+def test_round_parts_pool_rounds_not_prompts():
+    from benchmarks import run
+
+    def row(method, calls, draft, nodes, tokens=12):
+        return {"dtype": "bfloat16", "temperature": 1.0, "method": method, "target_calls": calls, "new_tokens": tokens,
+                "draft_s": draft, "verify_s": 0.03 * calls, "other_s": 0.0, "prefill_s": 0.012, "mean_tree_nodes": nodes}
+
+    rows = [row("ts_head", 4, 0.012, 2.0), row("ts_head", 8, 0.012, 0.5),
+            {"dtype": "bfloat16", "temperature": 1.0, "method": "llama_plain", "target_calls": None, "new_tokens": 12}]
+    parts = run.round_parts(rows)
+    e = parts["bfloat16/T=1"]["ts_head"]
+    assert set(parts["bfloat16/T=1"]) == {"ts_head"}  # llama.cpp rows have no parts
+    # 12 rounds in all: draft 24 ms / 12, nodes (4 x 2 + 8 x 0.5) / 12 = 1.0 (a mean of prompt means says 1.25)
+    assert e["rounds"] == 12 and abs(e["draft_ms"] - 2.0) < 1e-9 and abs(e["nodes"] - 1.0) < 1e-9
+    assert abs(e["verify_ms"] - 30.0) < 1e-9 and abs(e["prefill_ms"] - 2.0) < 1e-9 and e["tokens_per_round"] == 2.0

@@ -49,7 +49,9 @@ def test_run_quick(tmp_path, dtype):
     assert {r["dtype"] for r in rows} == {dtype} and all(r["new_tokens"] > 0 for r in rows)
     # the host reference: one weight read per round, in every row of it, summarised in the table
     assert all(r["host_stream_s"] > 0 and r["host_stream_bytes"] > 4e8 for r in rows)
-    assert f"- Host reference ({dtype}): reading the target's" in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert f"- Host reference ({dtype}): reading the target's" in table
+    assert "Where a round goes" in table and "| ts_ngram | " in table.split("Where a round goes")[1]
     if dtype == "float32":  # T=0 in fp32: treespec rows are token-identical to its plain decoding
         assert all(r["equal_to_ts_plain"] for r in rows if r["engine"] == "treespec")
 
