@@ -111,33 +111,36 @@ def tracked_files_under(path: Path, repo: Path = REPO) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ machine
 
-def cpu_info() -> dict:
-    """CPU model and the flags that matter for bf16 / AMX / AVX-512 (read from /proc/cpuinfo)."""
+def cpu_info(text: str | None = None) -> dict:
+    """CPU model and the flags that matter for bf16 / AMX / AVX-512, read from ``text`` (default: the
+    contents of /proc/cpuinfo), with the first processor's family, model and clock (``cpu MHz``: the
+    clock at the moment of reading, which drifts on hosts that scale their frequency)."""
     cpu, flags, ids = "unknown", set(), {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and cpu == "unknown":
-                cpu = value
-            if key == "flags" and not flags:
-                flags = set(value.split())
-            # hosts sold under one model name differ (an "AMD EPYC" of family 25 model 17 at 2.6 GHz is
-            # not every "AMD EPYC"): family, model and clock tell two records' hosts apart
-            if key in ("cpu family", "model", "cpu MHz") and key not in ids:
-                ids[key] = value
+        text = Path("/proc/cpuinfo").read_text() if text is None else text
     except OSError:
-        cpu = platform.processor() or "unknown"
+        text, cpu = "", platform.processor() or "unknown"
+    for line in text.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and cpu == "unknown":
+            cpu = value
+        if key == "flags" and not flags:
+            flags = set(value.split())
+        # hosts sold under one model name differ (an "AMD EPYC" of family 25 model 17 is not every
+        # "AMD EPYC"): family and model tell two records' hosts apart, beside a speed run's host reference
+        if key in ("cpu family", "model", "cpu MHz") and key not in ids:
+            ids[key] = value
     present = {f: (f in flags) for f in CPU_FLAGS}
     return {"cpu": cpu, "cpu_flags": present, "bf16_native": present["avx512_bf16"] or present["amx_bf16"],
             "cpu_family": ids.get("cpu family"), "cpu_model": ids.get("model"), "cpu_mhz": ids.get("cpu MHz")}
 
 
 def host_name(machine: dict) -> str:
-    """The CPU as a results header names it: model name, then family / model / clock where known."""
+    """The CPU as a results header names it: model name, then family / model and the clock when read."""
     ids = [f"{label} {machine[key]}" for key, label in (("cpu_family", "family"), ("cpu_model", "model"))
            if machine.get(key)]
     if machine.get("cpu_mhz"):
-        ids.append(f"{float(machine['cpu_mhz']):.0f} MHz")
+        ids.append(f"{float(machine['cpu_mhz']):.0f} MHz when read")
     return machine.get("cpu", "unknown") + (f" ({', '.join(ids)})" if ids else "")
 
 

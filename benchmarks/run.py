@@ -513,7 +513,7 @@ def markdown(summary: dict, meta: dict) -> str:
                       "verify = the target's tree pass and the verifier; the prefill spread over the rounds):", "",
                       "| method | rounds | draft | verify | other | prefill | drafted nodes | tokens / round |",
                       "|---|---|---|---|---|---|---|---|"]
-            for m, e in parts.items():
+            for m, e in ((m, parts[m]) for m in block if m in parts):  # the order of the tables above
                 lines.append(f"| {m} | {e['rounds']} | {e['draft_ms']:.1f} | {e['verify_ms']:.1f} | "
                              f"{e['other_ms']:.1f} | {e['prefill_ms']:.1f} | {e['nodes']:.2f} | "
                              f"{e['tokens_per_round']:.2f} |")
@@ -594,7 +594,7 @@ def check_resumable(folder: Path) -> dict:
     if prov.get("dirty"):
         raise ProvenanceError(f"--resume {folder}: the run was made on a dirty tree; only clean runs resume")
     mine = machine_info()
-    for key in ("cpu", "cpu_flags", "cores"):
+    for key in ("cpu", "cpu_family", "cpu_model", "cpu_flags", "cores"):
         if mine.get(key) != prov["machine"].get(key):
             raise ProvenanceError(f"--resume {folder}: machine differs ({key}: recorded "
                                   f"{prov['machine'].get(key)!r}, here {mine.get(key)!r}); resume on the same machine")
@@ -848,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
                     if len(res[m.name][1]["tokens"]) != args.max_new_tokens:  # every row times the same work
                         raise RuntimeError(f"{m.name} generated {len(res[m.name][1]['tokens'])} tokens for prompt "
                                            f"{p['id']} at T={temp:g}, not the {args.max_new_tokens} asked for")
-                # the host's memory speed beside the round (reading every target weight once)
+                # the host's memory speed beside the round (every target weight read once untimed, then
+                # once timed: the figure recorded)
                 stream_s, stream_bytes = measure_weight_stream(model, repeats=1)
                 for name, (m, r) in res.items():
                     own = res.get(BASELINES[m.engine], (None, None))[1]

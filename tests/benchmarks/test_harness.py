@@ -537,7 +537,7 @@ def test_host_name_and_host_stream_summary():
     from benchmarks.common import host_name
 
     assert host_name({"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "cpu_mhz": "2596.128"}) == \
-        "AMD EPYC (family 25, model 17, 2596 MHz)"
+        "AMD EPYC (family 25, model 17, 2596 MHz when read)"
     assert host_name({"cpu": "AMD EPYC", "cpu_family": None, "cpu_model": None, "cpu_mhz": None}) == "AMD EPYC"
     rows = [{"dtype": "bfloat16", "temperature": t, "prompt_id": p, "repeat": 0, "method": m,
              "host_stream_s": s, "host_stream_bytes": 536e6}
@@ -555,7 +555,7 @@ def test_round_parts_pool_rounds_not_prompts():
         return {"dtype": "bfloat16", "temperature": 1.0, "method": method, "target_calls": calls, "new_tokens": tokens,
                 "draft_s": draft, "verify_s": 0.03 * calls, "other_s": 0.0, "prefill_s": 0.012, "mean_tree_nodes": nodes}
 
-    rows = [row("ts_head", 4, 0.012, 2.0), row("ts_head", 8, 0.012, 0.5),
+    rows = [row("ts_head", 4, 0.012, 2.0), row("ts_head", 8, 0.012, 0.5), row("ts_head", 0, 0.5, 9.0),  # no round
             {"dtype": "bfloat16", "temperature": 1.0, "method": "llama_plain", "target_calls": None, "new_tokens": 12}]
     parts = run.round_parts(rows)
     e = parts["bfloat16/T=1"]["ts_head"]
@@ -563,3 +563,45 @@ def test_round_parts_pool_rounds_not_prompts():
     # 12 rounds in all: draft 24 ms / 12, nodes (4 x 2 + 8 x 0.5) / 12 = 1.0 (a mean of prompt means says 1.25)
     assert e["rounds"] == 12 and abs(e["draft_ms"] - 2.0) < 1e-9 and abs(e["nodes"] - 1.0) < 1e-9
     assert abs(e["verify_ms"] - 30.0) < 1e-9 and abs(e["prefill_ms"] - 2.0) < 1e-9 and e["tokens_per_round"] == 2.0
+
+
+def test_cpu_info_reads_family_model_and_clock():
+    from benchmarks.common import cpu_info
+
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+            "model name\t: AMD EPYC\ncpu MHz\t\t: 2596.128\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
+            "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: other\ncpu MHz\t\t: 1.0\n")
+    info = cpu_info(text)
+    assert (info["cpu"], info["cpu_family"], info["cpu_model"], info["cpu_mhz"]) == ("AMD EPYC", "25", "17", "2596.128")
+    assert info["cpu_flags"]["avx512_bf16"] and not info["cpu_flags"]["amx_bf16"] and info["bf16_native"]
+    assert cpu_info("")["cpu_family"] is None
+
+
+def test_the_report_places_round_parts_and_host_reference_under_their_block():
+    from benchmarks import run
+
+    rows = []
+    for temp in (0.0, 1.0):
+        for pid in ("p1", "p2"):
+            for m, wall, calls, draft in (("ts_head", 1.0, 16, 0.08 if temp else 0.04), ("ts_plain", 1.6, 32, 0.0)):
+                rows.append({"dtype": "bfloat16", "temperature": temp, "prompt_id": pid, "subtask": "qa", "repeat": 0,
+                             "method": m, "engine": "treespec", "new_tokens": 32, "wall_s": wall, "target_calls": calls,
+                             "draft_s": draft, "verify_s": 0.5, "other_s": 0.0, "prefill_s": 0.0,
+                             "mean_tree_nodes": 1.5 if draft else 0.0, "host_stream_s": 0.0125,
+                             "host_stream_bytes": 536e6})
+    summary = run.summarise(run.per_prompt_speedups(rows), seed=0)
+    prov = {"commit_short": "abc1234", "dirty": False, "date_utc": "now", "command": {"shell": "x"},
+            "machine": {"cpu": "cpu", "cores": 2, "cpu_flags": {}, "bf16_native": True}, "versions": {}}
+    settings = {"prompts": 2, "prompt_set": "eval", "max_new_tokens": 32, "repeats": 1, "threads": 2, "seed": 0,
+                "warmup_tokens": 8}
+    meta = {"provenance": prov, "settings": settings, "methods": {}, "round_parts": run.round_parts(rows),
+            "host_stream": run.host_stream(rows)}
+    table = run.markdown(summary, meta)
+    assert ("- Host reference (bfloat16): reading the target's 536 MB of weights once took 12.5 ms (median; range "
+            "12.5 to 12.5) over 4 readings") in table
+    t0, t1 = table.split("## bfloat16/T=0")[1].split("## bfloat16/T=1")
+    # draft 0.04 s over 16 rounds = 2.5 ms at T=0, 0.08 s = 5.0 ms at T=1: each block shows its own rounds
+    assert "| ts_head | 32 | 2.5 | 31.2 | 0.0 | 0.0 | 1.50 | 2.00 |" in t0
+    assert "| ts_head | 32 | 5.0 | 31.2 | 0.0 | 0.0 | 1.50 | 2.00 |" in t1
+    parts = t1.split("Where a round goes")[1]
+    assert parts.index("| ts_plain |") < parts.index("| ts_head |")  # the order of the tables above
