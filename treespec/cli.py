@@ -48,6 +48,15 @@ class CliInputError(ValueError):
     """A command-line value the CLI refuses before loading anything."""
 
 
+#: --target word for the embedded Gemma-3-270M's own Q4_K_M GGUF, run by llama.cpp
+EMBEDDED_GGUF = "embedded-gguf"
+
+
+def gguf_target(target: str) -> bool:
+    """Whether ``--target`` names a GGUF model (run by llama.cpp) rather than a PyTorch one."""
+    return target == EMBEDDED_GGUF or target.lower().endswith(".gguf")
+
+
 def tree_nodes(branching: tuple[int, ...]) -> int:
     """Number of drafted nodes of a static tree with ``branching[d]`` children per node at depth d."""
     total, level = 0, 1
@@ -58,44 +67,54 @@ def tree_nodes(branching: tuple[int, ...]) -> int:
 
 
 def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) -> str:
-    """``--draft`` with ``auto`` resolved to the best measured drafter of the embedded target for the run's dtype
-    (``dtype``, else the one ``args`` asks for), chosen on train prompts (``benchmarks/results/tuning/``):
+    """``--draft`` with ``auto`` resolved: :func:`~treespec.drafters.default_draft` (the measured table
+    :data:`~treespec.drafters.DEFAULT_DRAFTS`) for the run's target, dtype (``dtype``, else the one ``args`` asks
+    for) and temperature, except where an option names what to draft with: an explicit ``--tree`` at T=0 keeps its
+    n-gram meaning (depth,branches), and at T>0 ``--tree``, ``--min-confidence`` or ``--law`` ask for the shipped
+    head, which follows them. The head's own settings per temperature (tree, confidence, law, 4-bit weights) are
+    :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`."""
+    from .drafters import default_draft, target_kind
 
-    * T=0 in bf16: n-gram lookup, and the shipped head where the context does not repeat (``lookup+head``, the
-      head on 4-bit weights): paired against n-gram lookup alone on 48 prompts it was faster on 34 and slower
-      on 14 (sign test p = 0.0055; ``2026-11-27-4b0e164-epyc-v2cont6-t0-paired``, head v2 continued six times,
-      AMD EPYC with avx512_bf16). Earlier heads only equalled n-gram lookup there (``2026-11-24-5cbee63-bf16-head-trees``,
-      ``2026-11-26-b134a55-epyc-v2cont-defaults``);
-    * T=0 in float32, or with an explicit ``--tree`` (n-gram depth,branches, as before): n-gram lookup (the best
-      float32 row of the protocol);
-    * T>0 in bf16: the shipped head (``2026-11-24-674c802-bf16-t1-sampler``: 1.14x plain against 1.01x for
-      n-gram lookup, head v1 on the AMD EPYC; ``2026-11-25-6b9a6c8-bf16-v2-defaults``: head v2 1.22x against
-      1.09x, on an Intel Xeon with native bf16), where a tree pass costs about one decoding step;
-    * T>0 in float32: no drafter (``none``, plain decoding): every
-      drafter measured slower than plain decoding (``2026-11-25-d3a41aa-fp32-t1-defaults``, the AMD EPYC forced to
-      float32); with an explicit ``--tree``, ``--min-confidence`` or ``--law`` the shipped head, which follows them.
-
-    The head's own settings per temperature (tree, confidence, law, 4-bit weights) are
-    :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`. The shipped head fits the embedded Gemma-3-270M only:
-    on any other target ``auto`` is n-gram lookup (measured on the embedded target only; in float32 at T>0 it lost
-    to plain decoding there)."""
     if args.draft != "auto":
         return args.draft
-    if args.target != "embedded":
-        return "ngram"
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    if args.temperature <= 0:  # an explicit --tree keeps its n-gram meaning (depth,branches) in every dtype
-        return "lookup+head" if dtype == torch.bfloat16 and args.tree is None else "ngram"
-    asked = args.tree is not None or args.min_confidence is not None or args.law is not None  # speculation options
-    if dtype == torch.bfloat16 or asked:  # an explicit --tree / --min-confidence / --law: the head follows them
-        return "head"
-    return "none"
+    draft = default_draft(args.target, dtype, args.temperature)
+    if target_kind(args.target) != "embedded":
+        return draft
+    if args.temperature <= 0 and args.tree is not None:  # an explicit --tree keeps its n-gram meaning
+        return "ngram"
+    if args.temperature > 0 and draft == "none" and (
+            args.tree is not None or args.min_confidence is not None or args.law is not None):
+        return "head"  # speculation options asked for: the head follows them
+    return draft
+
+
+def _check_gguf_args(args: argparse.Namespace) -> None:
+    """A GGUF target runs in llama.cpp: its weights and kernels are the file's, so the PyTorch target options
+    do not apply, and the draft head fits the embedded model's GGUF only."""
+    if args.target != EMBEDDED_GGUF and not os.path.isfile(args.target):
+        raise CliInputError(f"--target {args.target}: no GGUF file there")
+    for flag, used in (("--quantize", args.quantize != "none"), ("--runner", args.runner != "auto"),
+                       ("--exact", args.exact)):
+        if used:
+            raise CliInputError(f"{flag} applies to PyTorch targets; a GGUF target runs llama.cpp on the file's own "
+                                f"weights")
+    draft = "none" if args.plain else _resolved_draft(args)
+    if (draft in ("head", "lookup+head") or draft.endswith(".safetensors")) and args.target != EMBEDDED_GGUF:
+        raise CliInputError(f"--draft {draft} reads the hidden states of the embedded Gemma-3-270M; on another GGUF "
+                            f"use --draft ngram or none")
+    if draft.startswith("early-exit:") or (draft not in DRAFT_WORDS and not draft.endswith(".safetensors")
+                                            and not draft.startswith("lookup+")):
+        raise CliInputError(f"--draft {draft} needs a PyTorch target; a GGUF target drafts with ngram, head, "
+                            f"lookup+head or a head file")
 
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
+    if gguf_target(args.target):
+        _check_gguf_args(args)
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -143,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
-    g.add_argument("--target", default="embedded", help="target model: 'embedded' (Gemma-3-270M) or an HF path/id")
+    g.add_argument("--target", default="embedded",
+                   help="target model: 'embedded' (Gemma-3-270M in PyTorch, de-quantised), 'embedded-gguf' (its Q4_K_M "
+                        "GGUF in llama.cpp), a .gguf file (llama.cpp; pip install llama-cpp-python), or a Hugging "
+                        "Face path/id (default: embedded)")
     g.add_argument("--draft", default="auto",
                    help="'auto' (default: the best measured on train prompts; on the embedded target in bf16 "
                         "'lookup+head' at T=0 and the shipped head at T>0, both on 4-bit head weights; in float32 "
@@ -230,9 +252,12 @@ def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:
     return resolve_dtype(args.dtype)
 
 
-def _guarantee(dtype: torch.dtype, temperature: float, plain: bool) -> str:
+def _guarantee(dtype: torch.dtype, temperature: float, plain: bool, runner: str = "fast") -> str:
     if plain:
         return "plain decoding"
+    if runner == "llama.cpp":
+        return "lossless w.r.t. llama.cpp's logits on tree passes; not token-identical to --plain (batched passes " \
+               "round differently)"
     if dtype == torch.float32:
         return "lossless; T=0 token-identical to --plain" if temperature == 0 else "lossless"
     return "lossless w.r.t. the target on tree passes; not token-identical to --plain (use --exact)"
@@ -251,6 +276,33 @@ def _target_runner(target, choice: str, quantize: str = "none") -> ModelRunner:
     return make_runner(target, fast=choice != "eager")
 
 
+def _runner_name(runner) -> str:
+    from .models.llama_cpp import LlamaCppRunner
+
+    if isinstance(runner, LlamaCppRunner):
+        return "llama.cpp"
+    return "fast" if isinstance(runner, FastGemmaRunner) else "eager"
+
+
+def _gguf_runner(args):
+    """(llama.cpp runner, its tokenizer, the PyTorch model a draft head reads, or None) for a GGUF ``--target``.
+    The embedded GGUF's draft head takes its embedding and LM head from the de-quantised embedded model."""
+    from .models.llama_cpp import LlamaCppRunner, LlamaCppTokenizer, llama_cpp_available
+    from .models.loading import embedded_gguf, load_model
+
+    reason = llama_cpp_available()
+    if reason is not None:
+        raise ImportError(reason)
+    path = embedded_gguf() if args.target == EMBEDDED_GGUF else args.target
+    print("treespec: loading the GGUF model in llama.cpp...", file=sys.stderr, flush=True)
+    draft = "none" if args.plain else _resolved_draft(args)
+    needs_model = draft in ("head", "lookup+head") or draft.endswith(".safetensors")
+    # a head reads hidden states: captured from llama.cpp's graph, so that the prefill skips the LM head
+    runner = LlamaCppRunner(path, threads=args.threads or torch.get_num_threads(), capture_hidden=needs_model)
+    target = load_model("embedded", dtype=resolve_cli_dtype(args)) if needs_model else None
+    return runner, LlamaCppTokenizer(runner), target
+
+
 def run_generate(args) -> int:
     from .models.loading import load_model, load_tokenizer, resolve_dtype
 
@@ -266,9 +318,14 @@ def run_generate(args) -> int:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")
-    tokenizer = load_tokenizer(args.target)
-    target = load_model(args.target, dtype=dtype)
-    drafter = _drafter(args, target, tokenizer, dtype)
+    if gguf_target(args.target):
+        runner, tokenizer, target = _gguf_runner(args)
+        drafter = _drafter(args, target, tokenizer, dtype)  # target: None unless a head reads it
+    else:
+        tokenizer = load_tokenizer(args.target)
+        target = load_model(args.target, dtype=dtype)
+        drafter = _drafter(args, target, tokenizer, dtype)
+        runner = None
     prompt_ids = tokenizer(args.prompt)["input_ids"]
     stream = None
     if not args.json:
@@ -282,12 +339,13 @@ def run_generate(args) -> int:
             print(text[len(shown["text"]):], end="", flush=True)
             shown["text"] = text
 
-    runner = _target_runner(target, args.runner, args.quantize)
+    if runner is None:
+        runner = _target_runner(target, args.runner, args.quantize)
     result = generate(runner, prompt_ids, drafter, config, tokenizer=tokenizer, callback=stream)
     summary = result.summary()
     info = {"method": "plain" if drafter is None else type(drafter).__name__,
             "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature,
-            "runner": "fast" if isinstance(runner, FastGemmaRunner) else "eager",
+            "runner": _runner_name(runner),
             "quantize": args.quantize}
     if isinstance(drafter, FirstOf):  # which drafter proposed how many trees
         info["method"] = f"FirstOf({', '.join(type(d).__name__ for d in drafter.drafters)})"
@@ -304,9 +362,11 @@ def run_generate(args) -> int:
         weights = "" if args.quantize == "none" else f", {args.quantize} weights"
         if head_weights is not None:
             weights += f", {head_weights} draft head"
-        print(f"[{info['method']}, {info['dtype']}{weights}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
+        dtype_word = "GGUF weights" if info["runner"] == "llama.cpp" else info["dtype"]
+        print(f"[{info['method']}, {dtype_word}{weights}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
-              f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None)}", file=sys.stderr)
+              f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None, info['runner'])}",
+              file=sys.stderr)
         if drafter is None and not args.plain and args.draft == "auto":
             print("(--draft auto decodes plainly at T>0 in float32: every drafter measured slower there; "
                   "--dtype bfloat16 where the CPU computes it natively, or name a --draft)", file=sys.stderr)

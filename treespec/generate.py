@@ -15,9 +15,8 @@ from typing import Callable
 
 import torch
 
-from .drafting.base import Draft, Drafter, DraftState, NoDrafter, feature_layers
-from .models.loading import eos_token_ids
-from .models.runner import ModelRunner
+from .drafting.base import Draft, Drafter, DraftState, NoDrafter, feature_layers, reads_target_hidden
+from .models.runner import TargetRunner, target_eos_ids, target_runner
 from .sampling import SamplingConfig, logits_to_probs
 from .verify import VERIFIERS, VerifyResult, resolve_verifier
 
@@ -109,14 +108,14 @@ _IN_USE: dict[int, int] = {}  # id(drafter or runner) -> thread ident of the gen
 _IN_USE_LOCK = threading.Lock()
 
 
-def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
+def generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
              drafter: Drafter | None = None, config: GenerationConfig = GenerationConfig(), **kwargs
              ) -> GenerationResult:
     """See :func:`_generate`. A drafter holds per-request state (its KV cache, its draft history) and
-    so does a :class:`ModelRunner` (the target's KV cache): each serves one request at a time; using
+    so does a :class:`~treespec.models.runner.ModelRunner` (the target's KV cache): each serves one request at a time; using
     one from two calls at once raises :class:`ConcurrentDrafterError` (give each thread its own
     drafter and runner; a bare model passed as ``target`` gets a fresh runner per call)."""
-    owned = [obj for obj in (drafter, target if isinstance(target, ModelRunner) else None) if obj is not None]
+    owned = [obj for obj in (drafter, None if isinstance(target, torch.nn.Module) else target) if obj is not None]
     me = threading.get_ident()
     with _IN_USE_LOCK:
         for obj in owned:
@@ -137,7 +136,7 @@ def generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torc
 
 
 @torch.no_grad()
-def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
+def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
              drafter: Drafter | None = None, config: GenerationConfig = GenerationConfig(), *,
              tokenizer=None, callback: Callable[[list[int]], None] | None = None,
              eos_ids: set[int] | None = None) -> GenerationResult:
@@ -145,7 +144,8 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
 
     Parameters
     ----------
-    target : the target causal LM (or a :class:`ModelRunner` around it).
+    target : the target causal LM, or a target runner (a :class:`ModelRunner` around one, or a
+        :class:`~treespec.models.llama_cpp.LlamaCppRunner` over a GGUF model).
     prompt_ids : the prompt's token ids (at least one).
     drafter : proposes a token tree each step; None decodes one token per target pass.
     config : generation options.
@@ -153,7 +153,7 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
     callback : called with the tokens appended at each step (streaming).
     eos_ids : EOS token ids (default: the target's generation config).
     """
-    runner = target if isinstance(target, ModelRunner) else ModelRunner(target)
+    runner = target_runner(target)
     drafter = drafter if drafter is not None else NoDrafter()
     prompt = [int(t) for t in (prompt_ids.flatten().tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
     if not prompt:
@@ -168,7 +168,7 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
     sampling = config.sampling
     law = drafter.law(sampling)
     verifier_name, verify = _verifier(config.verifier, law, sampling)
-    eos = eos_token_ids(runner.model) if eos_ids is None else set(eos_ids)
+    eos = target_eos_ids(runner) if eos_ids is None else set(eos_ids)
     generator = torch.Generator(device=runner.device)
     if config.seed is not None:
         generator.manual_seed(config.seed)
@@ -179,12 +179,14 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
     runner.reset()
     # target layers a head reads besides the last hidden state (asked for only when there are any)
     features = {"feature_layers": feature_layers(drafter)} if feature_layers(drafter) else {}
+    hidden = reads_target_hidden(drafter)
     target_hidden = None
     if len(prompt) > 1:
         # the prefill's hidden states (positions 0..len-2; the last predicts the first root) go to
         # the first proposal, so hidden-state drafters can draft from step one
-        target_hidden = runner.forward(None, None, torch.tensor(prompt[:-1], device=runner.device),
-                                       need_logits=False, need_hidden=True, **features)["hidden"]
+        out = runner.forward(None, None, torch.tensor(prompt[:-1], device=runner.device),
+                             need_logits=False, need_hidden=hidden, **features)
+        target_hidden = out.get("hidden")
     drafter.begin(prompt)
     seq = list(prompt)
     result = GenerationResult(prompt, [])
@@ -201,7 +203,7 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
         t1 = time.perf_counter()
         # verify the whole tree in one target pass
         nodes = torch.arange(tree.num_nodes, device=runner.device)
-        out = runner.forward(tree, nodes, need_hidden=True, **features)
+        out = runner.forward(tree, nodes, need_hidden=hidden, **features)
         # the greedy verifier needs only each row's argmax: logits serve as they are
         target_probs = out["logits"] if verifier_name == "greedy" else logits_to_probs(out["logits"], sampling)
         verdict = verify(tree, target_probs, draft.draft_probs, generator)
@@ -217,7 +219,7 @@ def _generate(target: ModelRunner | torch.nn.Module, prompt_ids: list[int] | tor
         kept = [0, *verdict.accepted_nodes[: len(emitted) - 1]]
         runner.commit(kept)
         drafter.accept(verdict, emitted)
-        target_hidden = out["hidden"][torch.tensor(kept, device=runner.device)]
+        target_hidden = out["hidden"][torch.tensor(kept, device=runner.device)] if hidden else None
         seq.extend(emitted)
         result.token_ids.extend(emitted)
         if callback is not None:

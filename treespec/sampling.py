@@ -94,15 +94,75 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if config.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        keep_sorted = before < config.top_p
-        keep_sorted[..., 0] = True  # a top_p below float32's resolution (e.g. 1e-300 -> 0) still keeps the top token
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = probs * keep
+        probs = probs * top_p_mask(probs, config.top_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def top_p_mask_reference(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus of each row of ``probs`` ``[..., V]`` as a bool mask, the slow and obvious way: sort each row
+    (probability descending, ties by token id ascending: a stable sort), keep a token if the mass strictly before
+    it is below ``top_p`` (the top token is always kept)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = before < top_p
+    keep_sorted[..., 0] = True  # a top_p below float32's resolution (e.g. 1e-300 -> 0) still keeps the top token
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+#: the first candidate count of :func:`top_p_mask` (grown fourfold while a row's nucleus is larger)
+TOP_P_FIRST_K = 64
+
+
+def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """:func:`top_p_mask_reference` without sorting the vocabulary (tested equal, ties included).
+
+    A nucleus is usually small. Take the ``k`` largest values of a row (``torch.topk``, a partial selection) and
+    the reference's own test on them (the same prefix sums as the full sort). Once their mass exceeds ``top_p``
+    by more than float32's rounding, every later token is outside, and the ``K`` kept positions are known; the
+    kept tokens are then every token above the ``K``-th value ``v`` plus, among the tokens equal to ``v``, the
+    lowest ids that fill ``K`` (the stable order). Rows whose nucleus is larger retry with 4k candidates; at the
+    whole vocabulary the reference decides. On a 262,144-entry row this replaces a full sort (tens of ms a row
+    on a 2-core CPU) by a selection of a few dozen values.
+    """
+    shape = probs.shape
+    flat = probs.reshape(-1, shape[-1])  # [M, V]
+    vocab = flat.shape[1]
+    keep = torch.zeros_like(flat, dtype=torch.bool)  # [M, V]
+    todo = torch.arange(flat.shape[0], device=flat.device)
+    k = min(TOP_P_FIRST_K, vocab)
+    while todo.numel():
+        rows = flat if todo.numel() == flat.shape[0] else flat[todo]  # [m, V]
+        if k >= vocab:
+            keep[todo] = top_p_mask_reference(rows, top_p)
+            break
+        vals = torch.topk(rows, k, dim=-1).values  # [m, k] descending
+        cum = vals.cumsum(dim=-1)
+        inside = (cum - vals) < top_p  # [m, k] the reference's test at the first k sorted positions
+        inside[:, 0] = True
+        count = inside.sum(dim=-1, keepdim=True)  # [m, 1]
+        prefix = (inside == (torch.arange(k, device=flat.device) < count)).all(dim=-1)
+        decided = prefix & (cum[:, -1] - _TOP_P_MARGIN >= top_p)  # later positions: mass before them >= top_p
+        if bool(decided.any()):
+            idx = todo[decided]
+            cut = vals[decided].gather(1, count[decided] - 1)  # [d, 1] the smallest kept value
+            sub = rows if bool(decided.all()) else rows[decided]  # [d, V]
+            at_least = sub >= cut  # [d, V]
+            # more tokens equal to the cut than the nucleus has room for (ties): the lowest ids among them
+            excess = at_least.sum(dim=-1, keepdim=True) > count[decided]
+            if bool(excess.any()):
+                tied = sub == cut
+                need = count[decided] - (at_least & ~tied).sum(dim=-1, keepdim=True)
+                at_least = torch.where(excess, (at_least & ~tied) | (tied & (tied.cumsum(dim=-1) <= need)), at_least)
+            keep[idx] = at_least
+        todo = todo[~decided]
+        k = min(4 * k, vocab)
+    return keep.reshape(shape)
+
+
+#: how far past top_p the candidates' mass must reach before later tokens are known to be outside: a prefix sum
+#: minus its last term may round below the sum before it by an ulp (1.2e-7 near 1)
+_TOP_P_MARGIN = 1e-6
 
 
 def row_mass(x: torch.Tensor, block: int = 512) -> torch.Tensor:

@@ -297,3 +297,28 @@ def test_draft_auto_is_the_best_measured_drafter_per_temperature_and_dtype():
     assert _resolved_draft(args, torch.bfloat16) == "head" and _resolved_draft(args, torch.float32) == "none"
     args = build_parser().parse_args(["generate", "x"])
     assert _resolved_draft(args, torch.bfloat16) == "lookup+head" and _resolved_draft(args, torch.float32) == "ngram"
+
+
+def test_default_drafts_are_data_with_their_evidence():
+    """Every entry of the defaults table names a results folder that exists (the measurement behind it), and
+    the CLI reads the table: a changed entry changes what --draft auto resolves to."""
+    from pathlib import Path
+
+    from treespec import drafters
+    from treespec.cli import _resolved_draft, build_parser
+
+    root = Path(__file__).resolve().parents[2]
+    for key, entry in drafters.DEFAULT_DRAFTS.items():
+        assert (root / entry.evidence).is_dir(), f"{key}: no results folder {entry.evidence}"
+        assert entry.draft in ("ngram", "head", "lookup+head", "none"), key
+    assert drafters.target_kind("embedded-gguf") == drafters.target_kind("x/m.GGUF") == "gguf"
+    assert drafters.default_draft("embedded-gguf", torch.float32, 0.7) == "ngram"
+    args = build_parser().parse_args(["generate", "x", "--dtype", "bfloat16"])
+    key = ("embedded", "bfloat16", "greedy")
+    original = drafters.DEFAULT_DRAFTS[key]
+    try:
+        drafters.DEFAULT_DRAFTS[key] = drafters.DefaultDraft("ngram", original.evidence)
+        assert _resolved_draft(args) == "ngram"
+    finally:
+        drafters.DEFAULT_DRAFTS[key] = original
+    assert _resolved_draft(args) == "lookup+head"

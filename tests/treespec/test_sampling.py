@@ -123,3 +123,47 @@ def test_first_argmax_equals_argmax_on_ties(dtype):
                                                                      x.T.argmax(dim=0, keepdim=True))
         assert same is ok
     assert first_argmax(x).tolist()[:5] == [7, 7, int(x[2].float().argmax()), 0, 99]
+
+
+# ------------------------------------------------------------------------------ the nucleus without a sort
+def _nucleus_cases(seed: int = 0, n: int = 200):
+    """(probs, top_p): random sizes and temperatures, a third with tied values (quantised logits), some top_p
+    near 1 and near 0, and peaked rows as language models give."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        vocab = int(torch.randint(2, 2000, (1,), generator=g))
+        logits = torch.randn(int(torch.randint(1, 4, (1,), generator=g)), vocab, generator=g) * float(
+            torch.rand(1, generator=g) * 15)
+        if i % 3 == 0:
+            logits = (logits * 2).round() / 2
+        top_p = [float(torch.rand(1, generator=g)), 0.999, 1e-6, 0.5][i % 4]
+        yield torch.softmax(logits, dim=-1), top_p
+
+
+def test_top_p_mask_equals_the_sorting_reference():
+    from treespec.sampling import top_p_mask, top_p_mask_reference
+
+    for probs, top_p in _nucleus_cases():
+        assert torch.equal(top_p_mask(probs, top_p), top_p_mask_reference(probs, top_p)), (probs.shape, top_p)
+
+
+def test_top_p_mask_on_a_full_vocabulary_row_with_ties_at_the_cut():
+    """262,144 entries, the nucleus cut inside a run of equal values: the lowest ids of the run are kept."""
+    from treespec.sampling import top_p_mask, top_p_mask_reference
+
+    probs = torch.full((2, 262144), 1e-9)
+    probs[:, 1000:1010] = 0.1 - 1e-9 * 262144 / 10  # ten equal tokens hold almost all the mass
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    mask = top_p_mask(probs, 0.35)
+    assert torch.equal(mask, top_p_mask_reference(probs, 0.35))
+    assert mask[0].nonzero().flatten().tolist() == [1000, 1001, 1002, 1003]
+
+
+def test_a_tie_break_by_highest_id_fails_the_comparison(monkeypatch):
+    """The twin: a fast filter that keeps the highest ids among tied tokens differs from the reference."""
+    from treespec import sampling
+
+    def highest_ids(probs, top_p):
+        return sampling.top_p_mask(probs.flip(-1), top_p).flip(-1)
+
+    assert any(not torch.equal(highest_ids(p, t), sampling.top_p_mask_reference(p, t)) for p, t in _nucleus_cases())

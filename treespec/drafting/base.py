@@ -74,6 +74,13 @@ class Drafter(Protocol):
         """Learn what the target accepted (``emitted`` = tokens actually appended)."""
 
 
+def reads_target_hidden(drafter) -> bool:
+    """Whether ``drafter`` reads :attr:`DraftState.target_hidden` (its optional ``reads_target_hidden``
+    attribute; True when it does not say). The engine asks a target for hidden states only for such a
+    drafter (on a llama.cpp target every prefill row with a hidden state also pays its LM head)."""
+    return bool(getattr(drafter, "reads_target_hidden", True))
+
+
 def feature_layers(drafter) -> tuple[int, ...]:
     """The target layers a drafter reads besides the last hidden state (its optional
     ``feature_layers`` attribute; ``()`` for drafters that read the last hidden state or nothing)."""
@@ -92,6 +99,8 @@ def shared_feature_layers(drafters) -> tuple[int, ...]:
 
 class NoDrafter:
     """Proposes the root alone: the engine then decodes one token per target pass (plain decoding)."""
+
+    reads_target_hidden = False
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic"

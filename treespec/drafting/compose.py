@@ -21,7 +21,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..verify import VerifyResult
-from .base import Draft, Drafter, DraftState, shared_feature_layers
+from .base import Draft, Drafter, DraftState, reads_target_hidden, shared_feature_layers
 
 
 class FirstOf:
@@ -40,6 +40,7 @@ class FirstOf:
             raise ValueError("FirstOf composes at least two drafters")
         self.drafters = drafters
         self.feature_layers = shared_feature_layers(drafters)  # the target layers its heads read
+        self.reads_target_hidden = any(reads_target_hidden(d) for d in drafters)
         self.begin([])
 
     def law(self, sampling: SamplingConfig) -> str:

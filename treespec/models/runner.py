@@ -148,6 +148,45 @@ class DraftRunner(Protocol):
         """Keep the accepted root path ``nodes`` and drop the other tree entries."""
 
 
+class TargetRunner(Protocol):
+    """What the generate loop verifies through (:class:`ModelRunner` and its fast variants over PyTorch
+    models, :class:`~treespec.models.llama_cpp.LlamaCppRunner` over GGUF models): the contract of
+    :class:`DraftRunner` plus what the engine checks a request against.
+
+    ``max_positions`` is the longest sequence it serves (None: unbounded); ``vocab_size`` the width of
+    its logits; ``eos_ids`` (optional) the end-of-sequence ids when ``model`` is None.
+    """
+
+    model: PreTrainedModel | None
+    device: torch.device
+    vocab_size: int
+    length: int
+    max_positions: int | None
+
+    def reset(self) -> None: ...
+
+    def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
+                *, need_logits: bool = True, need_hidden: bool = False,
+                feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]: ...
+
+    def commit(self, nodes: list[int]) -> None: ...
+
+
+def target_runner(target) -> TargetRunner:
+    """``target`` itself when it is a runner, else a :class:`ModelRunner` over it (a PyTorch causal LM)."""
+    return ModelRunner(target) if isinstance(target, torch.nn.Module) else target
+
+
+def target_eos_ids(runner: TargetRunner) -> set[int]:
+    """The end-of-sequence ids of a target runner: its own ``eos_ids``, else its model's generation config."""
+    own = getattr(runner, "eos_ids", None)
+    if own is not None:
+        return set(own)
+    from .loading import eos_token_ids
+
+    return eos_token_ids(runner.model)
+
+
 def as_runner(source) -> DraftRunner:
     """The draft runner of ``source``: its own ``as_runner()`` (runners, heads, early exits), else a
     :class:`ModelRunner` over it (a Hugging Face causal LM)."""

@@ -9,13 +9,29 @@ the fast Gemma-3 runner and by draft heads built for inference (:class:`PackedLi
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import nn
 
 
+@lru_cache(maxsize=1)
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: its bf16 path needs avx512bw/vl/dq or avx_ne_convert
+    (an AVX2-only AMD EPYC refused with a RuntimeError); found by packing a 16 x 16 weight once."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        pack_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
 def prepack_default(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Pack by default for bf16 on a CPU with oneDNN (elsewhere the plain product is the fast one)."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+    """Pack by default for bf16 on a CPU whose oneDNN packs bf16 (elsewhere the plain product is the one that
+    runs)."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16_packing_supported()
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""What one pass of the llama.cpp target costs: t(n) for chains of n tree nodes on the embedded GGUF.
+
+Per node count n (a chain of n nodes after a 100-token prefix; every pass rolled back so the prefix stays), the
+median over ``--reps`` passes of three ways to ask llama.cpp for what a verifier needs:
+
+* ``logits``: logits of every node (what :class:`~treespec.models.llama_cpp.LlamaCppRunner` asks for a tree pass);
+* ``body``: no output row at all (the transformer body and the cache writes; a floor of any tree pass);
+* ``hidden``: every node's hidden state captured from the graph, the LM head skipped (``capture_hidden``).
+
+``logits - body`` is llama.cpp's LM head over n rows (262,144 entries each for Gemma-3-270M) plus the copy of
+the rows; ``t(n) / t(1)`` says how much a tree pass of n nodes costs over a plain decoding step. Writes
+``profile.json`` and ``table.md`` under ``benchmarks/results/profile/<date>-<commit>-llama-cpp[-tag]/``::
+
+    python benchmarks/profile_llama_cpp.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import add_output_args, finish, host_name, machine_info, open_results, write_json  # noqa: E402
+
+MODES = ("logits", "body", "hidden")
+
+
+def time_passes(runner, n: int, mode: str, reps: int) -> list[float]:
+    """Seconds of ``reps`` tree passes of a chain of ``n`` nodes, each committed then rolled back."""
+    from treespec.tree import TokenTree
+
+    tree = TokenTree.chain(5, list(range(2000, 2000 + n - 1)))
+    nodes = torch.arange(n)
+    base = runner.length
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.forward(tree, nodes, need_logits=mode == "logits", need_hidden=mode == "hidden")
+        times.append(time.perf_counter() - t0)
+        runner.commit([0])
+        runner._ll.llama_memory_seq_rm(runner._mem, 0, base, -1)  # the prefix alone again
+        runner.length = base
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix", type=int, default=100, help="committed tokens before each pass")
+    ap.add_argument("--tag", default=None)
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    if min(args.nodes) < 1 or args.reps < 1 or args.prefix < 1:
+        ap.error("--nodes, --reps and --prefix take positive integers")
+    from treespec.models.llama_cpp import LlamaCppRunner, llama_cpp_available
+    from treespec.models.loading import embedded_gguf
+
+    reason = llama_cpp_available()
+    if reason is not None:
+        ap.error(reason)
+    torch.set_num_threads(args.threads)
+    out, prov = open_results("profile", args.out, allow_dirty=args.allow_dirty,
+                             tag="llama-cpp" + (f"-{args.tag}" if args.tag else ""))
+    started = time.time()
+    gguf = embedded_gguf()
+    plain = LlamaCppRunner(gguf, context=args.prefix + 64, threads=args.threads)
+    capture = LlamaCppRunner(gguf, context=args.prefix + 64, threads=args.threads, capture_hidden=True)
+    prefix = torch.arange(1000, 1000 + args.prefix)
+    for r in (plain, capture):
+        r.forward(None, None, prefix, need_logits=False)
+    rows = []
+    for n in args.nodes:
+        row = {"nodes": n}
+        for mode in MODES:
+            runner = capture if mode == "hidden" else plain
+            time_passes(runner, n, mode, 2)  # warm-up
+            ts = time_passes(runner, n, mode, args.reps)
+            row[mode] = {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts)}
+        rows.append(row)
+        print(f"n={n}: " + ", ".join(f"{m} {row[m]['median_ms']:.1f} ms" for m in MODES), flush=True)
+    base = {m: rows[0][m]["median_ms"] for m in MODES} if rows[0]["nodes"] == 1 else None
+    machine = machine_info()
+    write_json(out / "profile.json", {"provenance": prov, "machine": machine, "settings": vars(args) | {"out": str(out)},
+                                      "rows": rows})
+    lines = [f"# llama.cpp target: tree-pass cost (commit {prov['commit'][:7]}{' DIRTY' if prov.get('diff') else ''})",
+             "", f"- Command: `{prov['command']['shell']}`",
+             f"- Machine: {host_name(machine)}", f"- GGUF: {gguf.name}, prefix {args.prefix} tokens, threads "
+             f"{args.threads}, {args.reps} passes per cell (median [min, max])", "",
+             "| nodes | logits of every node (ms) | body only, no output (ms) | hidden states captured, no LM head (ms) "
+             "| LM head + copy per row (ms) |" + (" t(n)/t(1) logits | t(n)/t(1) body |" if base else ""),
+             "|---|---|---|---|---|" + ("---|---|" if base else "")]
+    for row in rows:
+        cells = [f"{row[m]['median_ms']:.1f} [{row[m]['min_ms']:.1f}, {row[m]['max_ms']:.1f}]" for m in MODES]
+        per_row = (row["logits"]["median_ms"] - row["body"]["median_ms"]) / row["nodes"]
+        ratio = (f" {row['logits']['median_ms'] / base['logits']:.2f} | {row['body']['median_ms'] / base['body']:.2f} |"
+                 if base else "")
+        lines.append(f"| {row['nodes']} | " + " | ".join(cells) + f" | {per_row:.1f} |" + ratio)
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    finish(out, started)
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

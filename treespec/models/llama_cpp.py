@@ -1,0 +1,386 @@
+"""A GGUF target through llama.cpp: the runner contract (prefill, one tree pass, commit) over
+llama-cpp-python's low-level API.
+
+Every drafter, tree builder and verifier runs unchanged on a :class:`LlamaCppRunner`: ``forward``
+returns float32 ``logits`` ``[rows, vocab]`` and ``hidden`` ``[rows, H]`` (the final hidden state after
+the output norm, what an EAGLE-style head reads) like :class:`~treespec.models.runner.ModelRunner`.
+
+How one ``llama_decode`` verifies a whole token tree (unified KV cache, ``kv_unified``):
+
+* sequence 0 holds the committed prefix;
+* each root-to-leaf path of the tree gets its own sequence id ``s = 1..leaves``; the prefix is shared
+  into it first (``llama_memory_seq_cp(0, s)``: with a unified cache this adds an id to the prefix's
+  cells, no copy);
+* each node carries the ids of every path through it, at position ``prefix length + depth``. A token
+  attends to the cells that share one of its ids at positions not after its own: exactly the prefix,
+  its ancestors and itself (two nodes share an id only if one is an ancestor of the other);
+* commit: the accepted nodes lie on the path of any leaf below the last of them, at consecutive
+  positions; ``seq_cp(s, 0, root, root + kept)`` gives them id 0, then every path id is removed, which
+  frees the cells of the rejected nodes.
+
+Sliding-window layers: ``swa_full`` keeps every layer's cache whole, so a rejected node can always be
+dropped; llama.cpp's own masks hide keys past the window by position, as a causal pass does.
+
+The target here is llama.cpp's own model (its quantised weights and kernels, its logits). A batched
+pass can round differently from a one-token pass (llama.cpp's own batch noise), so greedy outputs may
+differ from llama.cpp's plain decoding at near-ties; the verifiers stay exact with respect to the
+logits this runner returns (tested against per-path causal passes in ``tests/treespec/test_llama_cpp.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..tree import TokenTree
+
+#: the most sequence ids llama.cpp takes (``LLAMA_MAX_SEQ``): one for the prefix, the rest for paths
+MAX_SEQ = 256
+#: leaves (root-to-leaf paths) of the largest tree one pass verifies by default
+DEFAULT_MAX_LEAVES = 63
+#: tree nodes a pass may hold beyond the context (cells of the unified cache reserved for trees)
+DEFAULT_TREE_CELLS = 512
+
+# ggml_tensor fields the hidden-state capture reads (ggml.h: type, buffer, ne[4], nb[4], op, op_params[16],
+# flags, src[10], view_src, view_offs, data, name[64]); checked against llama.cpp's own embeddings in the tests
+_TENSOR_NE, _TENSOR_DATA, _TENSOR_NAME = 16, 248, 256
+_HIDDEN_NAME = b"result_norm\0"  # the final hidden state after the output norm, in every llama.cpp model graph
+
+
+def llama_cpp_available() -> str | None:
+    """None when llama-cpp-python imports, else the reason it does not (one line)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (a broken native build raises OSError and friends)
+        return f"llama-cpp-python is not usable ({type(exc).__name__}: {exc}); install it with " \
+               f"pip install llama-cpp-python"
+    return None
+
+
+def _lib():
+    reason = llama_cpp_available()
+    if reason is not None:
+        raise ImportError(reason)
+    import llama_cpp
+
+    return llama_cpp
+
+
+_LOG_OFF = None  # the no-op log callback (kept alive for the process)
+_BACKEND_READY = False
+
+
+def _quiet_backend(ll) -> None:
+    """Silence llama.cpp's logging and initialise its backend once per process."""
+    global _LOG_OFF, _BACKEND_READY
+    if _LOG_OFF is None:
+        _LOG_OFF = ll.llama_log_callback(lambda level, text, data: None)
+        ll.llama_log_set(_LOG_OFF, ctypes.c_void_p(0))
+    if not _BACKEND_READY:
+        ll.llama_backend_init()
+        _BACKEND_READY = True
+
+
+class LlamaCppRunner:
+    """A GGUF model in llama.cpp behind the target runner contract.
+
+    Parameters
+    ----------
+    gguf_path : a GGUF file llama.cpp loads.
+    context : the longest sequence (prompt + generated tokens) it serves; capped by the model's
+        training context.
+    threads : CPU threads (default: torch's thread count).
+    max_leaves : the most root-to-leaf paths of a tree one pass verifies (at most 255).
+    tree_cells : cache cells kept for the uncommitted nodes of one tree (its node budget).
+    capture_hidden : read hidden states from the graph while it runs (an evaluation callback on the tensor
+        ``result_norm``) and stop before the LM head when no logits are asked: a prefill for a head drafter
+        then costs no LM head rows. The callback runs on every graph node (about 1 ms a decode for
+        Gemma-3-270M), so it is for runners that serve hidden-state drafters. Without it, hidden states come
+        from llama.cpp's embeddings output, which computes the LM head on every token of the batch.
+    """
+
+    model = None  # no PyTorch module behind it
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+    def __init__(self, gguf_path: str | os.PathLike, *, context: int = 4096, threads: int | None = None,
+                 max_leaves: int = DEFAULT_MAX_LEAVES, tree_cells: int = DEFAULT_TREE_CELLS,
+                 capture_hidden: bool = False) -> None:
+        path = Path(gguf_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file {str(path)!r}")
+        if not 1 <= max_leaves < MAX_SEQ:
+            raise ValueError(f"max_leaves must be in 1..{MAX_SEQ - 1}, got {max_leaves}")
+        if context < 1 or tree_cells < 1:
+            raise ValueError(f"context and tree_cells must be positive, got {context} and {tree_cells}")
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
+        ll = self._ll = _lib()
+        _quiet_backend(ll)
+        mparams = ll.llama_model_default_params()
+        self._model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {str(path)!r}")
+        self.path = path
+        vocab = self._vocab = ll.llama_model_get_vocab(self._model)
+        self.vocab_size = int(ll.llama_vocab_n_tokens(vocab))
+        self.hidden_size = int(ll.llama_model_n_embd(self._model))
+        trained = int(ll.llama_model_n_ctx_train(self._model))
+        self.max_positions = min(context, trained) if trained > 0 else context
+        self.max_leaves = max_leaves
+        self.tree_cells = tree_cells
+        self.threads = int(threads or torch.get_num_threads())
+        self.eos_ids = {int(t) for t in (ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)) if t >= 0}
+        self.bos_id = int(ll.llama_vocab_bos(vocab))
+        self.batch_size = max(512, tree_cells)  # tokens a decode call takes (prompts go in chunks of it)
+
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = self.max_positions + tree_cells
+        cparams.n_batch = cparams.n_ubatch = self.batch_size  # a tree stays in one micro-batch
+        cparams.n_seq_max = max_leaves + 1
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        # hidden states only on the passes that ask for them (llama_set_embeddings per call): with embeddings on,
+        # llama.cpp outputs every token of a batch, LM head included
+        cparams.embeddings = False
+        cparams.kv_unified = True  # paths share the prefix's cells (coupled sequences)
+        cparams.swa_full = True  # sliding-window layers keep every cell: rejected nodes can be dropped
+        cparams.no_perf = True
+        self.capture_hidden = capture_hidden
+        self._captured: list[np.ndarray] = []
+        self._capture_on = False  # capture on the current decode
+        self._stop_after_hidden = False  # and skip the rest of the graph (the LM head)
+        if capture_hidden:
+            self._callback = ll.ggml_backend_sched_eval_callback(self._observe)  # kept alive with the runner
+            cparams.cb_eval = self._callback
+            cparams.cb_eval_user_data = None
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            ll.llama_model_free(self._model)
+            raise ValueError(f"llama.cpp could not create a context for {str(path)!r}")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self._batch = ll.llama_batch_init(self.batch_size, 0, max_leaves + 1)
+        self._embeddings = False
+        self.reset()
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free llama.cpp's context and model (also done when the runner is collected)."""
+        ll = getattr(self, "_ll", None)
+        if ll is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+    def as_runner(self) -> "LlamaCppRunner":
+        return self
+
+    def observe(self, state) -> None:
+        """Reads only tokens: nothing to take from the engine."""
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        self._ll.llama_memory_clear(self._mem, True)
+        self.length = 0  # committed tokens in sequence 0
+        self.tree: TokenTree | None = None
+        self.root_position = 0
+        self._leaves: list[int] = []  # leaf node of each path id 1..k
+        self.slots: list[int] = []  # tree nodes in the cache, uncommitted
+
+    @property
+    def cache_length(self) -> int:
+        """Committed tokens as llama.cpp's memory sees them (last position of sequence 0, plus one)."""
+        return int(self._ll.llama_memory_seq_pos_max(self._mem, 0)) + 1
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
+                *, need_logits: bool | str = True, need_hidden: bool = False,
+                feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+        """Append ``chain`` (committed at once, causal) and/or the nodes of one tree (all of them, in
+        index order). Returns ``logits`` ``[m + n, V]`` float32 and, if asked, ``hidden`` ``[m + n, H]``.
+        """
+        if feature_layers:
+            raise ValueError("the llama.cpp runner returns the last hidden state only (a head reading "
+                             f"earlier layers {list(feature_layers)} needs a PyTorch target)")
+        m = 0 if chain is None else chain.numel()
+        n = 0 if nodes is None else nodes.numel()
+        if m + n == 0:
+            raise ValueError("nothing to forward")
+        if self.slots:
+            raise RuntimeError("uncommitted tree nodes are in the cache: commit before the next forward")
+        outputs = bool(need_logits) or need_hidden
+        self._capture_on = need_hidden and self.capture_hidden
+        self._stop_after_hidden = self._capture_on and not need_logits
+        embeddings = need_hidden and not self.capture_hidden
+        if embeddings != self._embeddings:
+            self._ll.llama_set_embeddings(self._ctx, embeddings)
+            self._embeddings = embeddings
+        logits, hidden = [], []
+        if m:
+            ids = [int(t) for t in chain.tolist()]
+            self._check_ids(ids)
+            if self.length + m > self.max_positions:
+                raise ValueError(f"context overflow: {self.length + m} tokens exceed the runner's context of "
+                                 f"{self.max_positions}")
+            for start in range(0, m, self.batch_size):
+                part = ids[start:start + self.batch_size]
+                self._fill(part, [self.length + start + i for i in range(len(part))],
+                           [(0,)] * len(part), outputs)
+                self._decode()
+                if outputs:
+                    self._read(len(part), need_logits, need_hidden, logits, hidden)
+            self.length += m
+        if n:
+            if tree is None:
+                raise ValueError("tree nodes need their tree")
+            if n != tree.num_nodes or not torch.equal(nodes.cpu(), torch.arange(n)):
+                raise ValueError("the llama.cpp runner verifies a whole tree in one forward: pass every node "
+                                 "in index order")
+            tokens = [int(t) for t in tree.tokens.tolist()]
+            self._check_ids(tokens)
+            if n > self.tree_cells:
+                raise ValueError(f"a tree of {n} nodes exceeds the runner's {self.tree_cells} tree cells")
+            children = tree.num_children.tolist()
+            leaves = [i for i in range(n) if children[i] == 0]
+            if len(leaves) > self.max_leaves:
+                raise ValueError(f"a tree with {len(leaves)} leaves exceeds the runner's {self.max_leaves} paths "
+                                 f"(max_leaves)")
+            if self.length + int(tree.max_depth) + 1 > self.max_positions + self.tree_cells:
+                raise ValueError("context overflow: the tree reaches past the runner's context")
+            on_path = tree.ancestor_mask[torch.tensor(leaves)].cpu()  # [leaves, n]: node j on path s
+            seq_ids = [tuple(int(s) + 1 for s in torch.nonzero(on_path[:, j]).flatten().tolist())
+                       for j in range(n)]
+            for s in range(1, len(leaves) + 1):
+                self._ll.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+            self.tree, self.root_position, self._leaves = tree, self.length, leaves
+            self._fill(tokens, [self.length + d for d in tree.depths.tolist()], seq_ids, outputs)
+            self._decode()
+            self.slots = list(range(n))
+            if outputs:
+                self._read(n, need_logits, need_hidden, logits, hidden)
+        result = {}
+        if need_logits:
+            result["logits"] = torch.cat(logits) if len(logits) > 1 else logits[0]
+        if need_hidden:
+            result["hidden"] = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+        return result
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"token ids outside the model's vocabulary [0, {self.vocab_size})")
+
+    def _fill(self, tokens: list[int], positions: list[int], seq_ids: list[tuple[int, ...]], outputs: bool) -> None:
+        """Write one decode's tokens into the reusable batch."""
+        b = self._batch
+        for i, (tok, pos, ids) in enumerate(zip(tokens, positions, seq_ids)):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = len(ids)
+            row = b.seq_id[i]
+            for k, s in enumerate(ids):
+                row[k] = s
+            b.logits[i] = outputs
+        b.n_tokens = len(tokens)
+
+    def _decode(self) -> None:
+        self._captured = []
+        code = self._ll.llama_decode(self._ctx, self._batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed (code {code}): the cache is full or the batch is invalid")
+
+    def _read(self, rows: int, need_logits, need_hidden: bool, logits: list, hidden: list) -> None:
+        """Copy the output rows of the last decode (all its tokens were outputs, in batch order)."""
+        if need_logits:
+            ptr = self._ll.llama_get_logits(self._ctx)
+            logits.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy()))
+        if need_hidden and self._capture_on:
+            got = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]
+            self._captured = []
+            if got.shape != (rows, self.hidden_size):
+                raise RuntimeError(f"llama.cpp's graph gave hidden states of shape {got.shape}, expected "
+                                   f"{(rows, self.hidden_size)}")
+            hidden.append(torch.from_numpy(got))
+        elif need_hidden:
+            ptr = self._ll.llama_get_embeddings(self._ctx)
+            hidden.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.hidden_size)).copy()))
+
+    def _observe(self, tensor: int, ask: bool, user_data) -> bool:
+        """llama.cpp's evaluation callback (``capture_hidden``): asked for every graph node whether its data is
+        wanted, then handed the wanted one; returning False there ends the graph (skips the LM head)."""
+        if not self._capture_on or ctypes.string_at(tensor + _TENSOR_NAME, len(_HIDDEN_NAME)) != _HIDDEN_NAME:
+            return not ask
+        if ask:
+            return True
+        ne0, ne1 = ctypes.cast(tensor + _TENSOR_NE, ctypes.POINTER(ctypes.c_int64))[0:2]
+        data = ctypes.cast(tensor + _TENSOR_DATA, ctypes.POINTER(ctypes.c_void_p))[0]
+        rows = np.ctypeslib.as_array(ctypes.cast(data, ctypes.POINTER(ctypes.c_float)), shape=(ne1, ne0))
+        self._captured.append(rows.copy())
+        return not self._stop_after_hidden
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, nodes: list[int]) -> None:
+        """Keep the committed prefix plus ``nodes`` (the tree's root path, in order); drop every other node."""
+        if self.tree is None:
+            if nodes:
+                raise RuntimeError("no tree to commit nodes of")
+            return
+        tree = self.tree
+        kept = len(nodes)
+        if kept:
+            if nodes != tree.root_path(nodes[-1]):
+                raise ValueError(f"commit takes a root path of the tree, got {nodes}")
+            below = tree.ancestor_mask[torch.tensor(self._leaves), nodes[-1]].cpu()  # [leaves]
+            path_id = int(torch.nonzero(below).flatten()[0]) + 1  # a path through the last kept node
+            self._ll.llama_memory_seq_cp(self._mem, path_id, 0, self.root_position, self.root_position + kept)
+        for s in range(1, len(self._leaves) + 1):
+            self._ll.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self.length = self.root_position + kept
+        self.tree, self.slots, self._leaves = None, [], []
+
+
+class LlamaCppTokenizer:
+    """A GGUF model's own tokenizer, as llama.cpp applies it: the two calls the CLI makes of a Hugging
+    Face tokenizer (``tok(text)["input_ids"]``, ``tok.decode(ids, skip_special_tokens=True)``)."""
+
+    def __init__(self, runner: LlamaCppRunner) -> None:
+        self._ll, self._vocab = runner._ll, runner._vocab
+        self._runner = runner  # keeps the model (and so the vocabulary) alive
+        self.add_bos = bool(self._ll.llama_vocab_get_add_bos(self._vocab))
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        data = text.encode("utf-8")
+        room = len(data) + 8
+        while True:
+            out = (self._ll.llama_token * room)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), out, room, self.add_bos, False)
+            if n >= 0:
+                return {"input_ids": [int(t) for t in out[:n]]}
+            room = -n
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        pieces = []
+        buf = ctypes.create_string_buffer(256)
+        for t in ids:
+            n = self._ll.llama_token_to_piece(self._vocab, int(t), buf, len(buf), 0, not skip_special_tokens)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._ll.llama_token_to_piece(self._vocab, int(t), buf, len(buf), 0, not skip_special_tokens)
+            pieces.append(buf.raw[:n])
+        return b"".join(pieces).decode("utf-8", errors="replace")
