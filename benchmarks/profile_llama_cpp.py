@@ -17,6 +17,7 @@ the rows; ``t(n) / t(1)`` says how much a tree pass of n nodes costs over a plai
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -48,6 +49,28 @@ def time_passes(runner, n: int, mode: str, reps: int) -> list[float]:
     return times
 
 
+def render(data: dict) -> str:
+    """``table.md`` from ``profile.json``'s contents."""
+    prov, machine, rows, st = data["provenance"], data["machine"], data["rows"], data["settings"]
+    base = {m: rows[0][m]["median_ms"] for m in MODES} if rows[0]["nodes"] == 1 else None
+    flags = ", ".join(f for f, on in machine.get("cpu_flags", {}).items() if on) or "none read"
+    lines = [f"# llama.cpp target: tree-pass cost (commit {prov['commit'][:7]}{' DIRTY' if prov.get('diff') else ''})",
+             "", f"- Command: `{prov['command']['shell']}`",
+             f"- Machine: {host_name(machine)}, {machine.get('cores')} cores; flags: {flags}",
+             f"- GGUF: {data.get('gguf', 'the embedded GGUF')}, prefix {st['prefix']} tokens, threads {st['threads']}, "
+             f"{st['reps']} passes per cell (median [min, max])", "",
+             "| nodes | logits of every node (ms) | body only, no output (ms) | hidden states captured, no LM head (ms) "
+             "| LM head + copy per row (ms) |" + (" t(n)/t(1) logits | t(n)/t(1) body |" if base else ""),
+             "|---|---|---|---|---|" + ("---|---|" if base else "")]
+    for row in rows:
+        cells = [f"{row[m]['median_ms']:.1f} [{row[m]['min_ms']:.1f}, {row[m]['max_ms']:.1f}]" for m in MODES]
+        per_row = (row["logits"]["median_ms"] - row["body"]["median_ms"]) / row["nodes"]
+        ratio = (f" {row['logits']['median_ms'] / base['logits']:.2f} | {row['body']['median_ms'] / base['body']:.2f} |"
+                 if base else "")
+        lines.append(f"| {row['nodes']} | " + " | ".join(cells) + f" | {per_row:.1f} |" + ratio)
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -55,8 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=100, help="committed tokens before each pass")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--render", type=Path, default=None, metavar="DIR",
+                    help="only rewrite DIR/table.md from DIR/profile.json (nothing is measured)")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    if args.render is not None:
+        data = json.loads((args.render / "profile.json").read_text())
+        data.setdefault("gguf", "gemma-3-270m-q4_k_m.gguf")
+        (args.render / "table.md").write_text(render(data))
+        return 0
     if min(args.nodes) < 1 or args.reps < 1 or args.prefix < 1:
         ap.error("--nodes, --reps and --prefix take positive integers")
     from treespec.models.llama_cpp import LlamaCppRunner, llama_cpp_available
@@ -85,24 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             row[mode] = {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts)}
         rows.append(row)
         print(f"n={n}: " + ", ".join(f"{m} {row[m]['median_ms']:.1f} ms" for m in MODES), flush=True)
-    base = {m: rows[0][m]["median_ms"] for m in MODES} if rows[0]["nodes"] == 1 else None
-    machine = machine_info()
-    write_json(out / "profile.json", {"provenance": prov, "machine": machine, "settings": vars(args) | {"out": str(out)},
-                                      "rows": rows})
-    lines = [f"# llama.cpp target: tree-pass cost (commit {prov['commit'][:7]}{' DIRTY' if prov.get('diff') else ''})",
-             "", f"- Command: `{prov['command']['shell']}`",
-             f"- Machine: {host_name(machine)}", f"- GGUF: {gguf.name}, prefix {args.prefix} tokens, threads "
-             f"{args.threads}, {args.reps} passes per cell (median [min, max])", "",
-             "| nodes | logits of every node (ms) | body only, no output (ms) | hidden states captured, no LM head (ms) "
-             "| LM head + copy per row (ms) |" + (" t(n)/t(1) logits | t(n)/t(1) body |" if base else ""),
-             "|---|---|---|---|---|" + ("---|---|" if base else "")]
-    for row in rows:
-        cells = [f"{row[m]['median_ms']:.1f} [{row[m]['min_ms']:.1f}, {row[m]['max_ms']:.1f}]" for m in MODES]
-        per_row = (row["logits"]["median_ms"] - row["body"]["median_ms"]) / row["nodes"]
-        ratio = (f" {row['logits']['median_ms'] / base['logits']:.2f} | {row['body']['median_ms'] / base['body']:.2f} |"
-                 if base else "")
-        lines.append(f"| {row['nodes']} | " + " | ".join(cells) + f" | {per_row:.1f} |" + ratio)
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    write_json(out / "profile.json", {"provenance": prov, "machine": machine_info(), "gguf": gguf.name,
+                                      "settings": vars(args) | {"out": str(out)}, "rows": rows})
+    (out / "table.md").write_text(render(json.loads((out / "profile.json").read_text())))
     finish(out, started)
     print(f"results in {out}")
     return 0

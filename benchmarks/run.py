@@ -470,7 +470,7 @@ def cli_default_method(dtype: str, temperature: float) -> str:
     from treespec.cli import _resolved_draft, build_parser
 
     rows = {"ngram": "ts_ngram", "head": "ts_head", "lookup+head": "ts_lookup_head", "none": "ts_plain"}
-    args = build_parser().parse_args(["generate", "x", "--temperature", f"{temperature:g}"])
+    args = build_parser().parse_args(["generate", "x", "--temperature", f"{temperature:g}", "--target", "embedded"])
     draft = _resolved_draft(args, getattr(torch, dtype))
     return rows.get(draft, draft)
 

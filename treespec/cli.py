@@ -52,6 +52,35 @@ class CliInputError(ValueError):
 EMBEDDED_GGUF = "embedded-gguf"
 
 
+#: where --target auto chose the llama.cpp engine: the paired run that measured it (a CPU without native bf16)
+AUTO_TARGET_EVIDENCE = "benchmarks/results/speed/2026-11-27-2a998ca-epyc-avx2-llama-target"
+
+
+def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -> tuple[str, str | None]:
+    """``--target`` with ``auto`` resolved, and why (None unless auto chose): the embedded Gemma-3-270M on the
+    engine measured fastest for the run. Where the CPU computes no bf16 natively (``--dtype auto`` gives float32)
+    llama.cpp's Q4_K_M decoding ran several times faster than the PyTorch target in float32
+    (:data:`AUTO_TARGET_EVIDENCE`), so ``auto`` is ``embedded-gguf`` there when llama-cpp-python is installed and
+    nothing asks for PyTorch (``--dtype``, ``--exact``, ``--quantize``, ``--runner``, a draft model); elsewhere
+    ``embedded`` (PyTorch, where bf16 trees were measured fastest at T=0)."""
+    if args.target != "auto":
+        return args.target, None
+    if dtype is None:
+        dtype = resolve_cli_dtype(args)
+    draft = args.draft
+    gguf_draft = draft in DRAFT_WORDS or draft.endswith(".safetensors") or (
+        draft.startswith("lookup+") and draft.endswith(".safetensors"))
+    pytorch_asked = (args.dtype != "auto" or args.exact or args.quantize != "none" or args.runner != "auto"
+                     or not gguf_draft)
+    if dtype == torch.float32 and not pytorch_asked:
+        from .models.llama_cpp import llama_cpp_available
+
+        if llama_cpp_available() is None:
+            return EMBEDDED_GGUF, (f"--target auto: llama.cpp (this CPU computes no bf16 natively; measured faster "
+                                   f"than the PyTorch target in float32: {AUTO_TARGET_EVIDENCE})")
+    return "embedded", None
+
+
 def gguf_target(target: str) -> bool:
     """Whether ``--target`` names a GGUF model (run by llama.cpp) rather than a PyTorch one."""
     return target == EMBEDDED_GGUF or target.lower().endswith(".gguf")
@@ -79,8 +108,9 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
         return args.draft
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    draft = default_draft(args.target, dtype, args.temperature)
-    if target_kind(args.target) != "embedded":
+    target = resolve_target(args, dtype)[0]
+    draft = default_draft(target, dtype, args.temperature)
+    if target_kind(target) != "embedded":
         return draft
     if args.temperature <= 0 and args.tree is not None:  # an explicit --tree keeps its n-gram meaning
         return "ngram"
@@ -163,9 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
     g.add_argument("--target", default="embedded",
-                   help="target model: 'embedded' (Gemma-3-270M in PyTorch, de-quantised), 'embedded-gguf' (its Q4_K_M "
-                        "GGUF in llama.cpp), a .gguf file (llama.cpp; pip install llama-cpp-python), or a Hugging "
-                        "Face path/id (default: embedded)")
+                   help="target model: 'embedded' (default: Gemma-3-270M in PyTorch, de-quantised), 'embedded-gguf' "
+                        "(its Q4_K_M GGUF in llama.cpp), a .gguf file (llama.cpp; pip install llama-cpp-python), a "
+                        "Hugging Face path/id, or 'auto': the embedded model on the engine measured fastest for this "
+                        "CPU (llama.cpp where the CPU computes no bf16 natively and llama-cpp-python is installed, "
+                        "else PyTorch)")
     g.add_argument("--draft", default="auto",
                    help="'auto' (default: the best measured on train prompts; on the embedded target in bf16 "
                         "'lookup+head' at T=0 and the shipped head at T>0, both on 4-bit head weights; in float32 "
@@ -306,6 +338,8 @@ def _gguf_runner(args):
 def run_generate(args) -> int:
     from .models.loading import load_model, load_tokenizer, resolve_dtype
 
+    if getattr(args, "target_reason", None):
+        print(f"treespec: {args.target_reason}", file=sys.stderr, flush=True)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                               stop_on_eos=not args.no_stop, verifier=args.verifier)
@@ -367,6 +401,11 @@ def run_generate(args) -> int:
               f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
               f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None, info['runner'])}",
               file=sys.stderr)
+        if info["runner"] != "llama.cpp" and args.target == "embedded" and args.dtype == "auto" \
+                and dtype == torch.float32 and not args.exact:
+            print(f"(this CPU computes no bf16 natively, so the PyTorch target runs float32; the same model decoded "
+                  f"several times faster in llama.cpp on such a CPU: --target auto or embedded-gguf, with "
+                  f"llama-cpp-python installed; {AUTO_TARGET_EVIDENCE})", file=sys.stderr)
         if drafter is None and not args.plain and args.draft == "auto":
             print("(--draft auto decodes plainly at T>0 in float32: every drafter measured slower there; "
                   "--dtype bfloat16 where the CPU computes it natively, or name a --draft)", file=sys.stderr)
@@ -378,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     try:
         if args.command == "generate":
+            args.target, args.target_reason = resolve_target(args)
             _check_args(args)
             hub_draft = "/" in args.draft and not args.draft.endswith(".safetensors") and not os.path.exists(
                 args.draft.removeprefix("lookup+"))

@@ -312,7 +312,9 @@ def test_default_drafts_are_data_with_their_evidence():
         assert (root / entry.evidence).is_dir(), f"{key}: no results folder {entry.evidence}"
         assert entry.draft in ("ngram", "head", "lookup+head", "none"), key
     assert drafters.target_kind("embedded-gguf") == drafters.target_kind("x/m.GGUF") == "gguf"
-    assert drafters.default_draft("embedded-gguf", torch.float32, 0.7) == "ngram"
+    assert drafters.default_draft("embedded-gguf", torch.float32, 0.7) == "none"  # measured: plain is fastest
+    assert drafters.default_draft("x.gguf", torch.bfloat16, 0.0) == "ngram"  # not measured: n-gram lookup
+    assert drafters.default_draft("some/model", torch.float32, 0.0) == "ngram"
     args = build_parser().parse_args(["generate", "x", "--dtype", "bfloat16"])
     key = ("embedded", "bfloat16", "greedy")
     original = drafters.DEFAULT_DRAFTS[key]
@@ -322,3 +324,26 @@ def test_default_drafts_are_data_with_their_evidence():
     finally:
         drafters.DEFAULT_DRAFTS[key] = original
     assert _resolved_draft(args) == "lookup+head"
+
+
+def test_target_auto_picks_the_engine_measured_fastest(monkeypatch):
+    """--target auto: llama.cpp where the run would be float32 by --dtype auto (a CPU without native bf16) and
+    llama-cpp-python imports, PyTorch whenever bf16 runs natively, an option asks for PyTorch, or llama.cpp is
+    missing; the evidence folder the choice cites exists."""
+    from pathlib import Path
+
+    import treespec.models.llama_cpp as llama_mod
+    from treespec.cli import AUTO_TARGET_EVIDENCE, build_parser, resolve_target
+
+    def target(*argv, dtype=torch.float32):
+        return resolve_target(build_parser().parse_args(["generate", "x", "--target", "auto", *argv]), dtype)[0]
+
+    monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: None)
+    assert target() == "embedded-gguf" and target("--temperature", "1") == "embedded-gguf"
+    assert target(dtype=torch.bfloat16) == "embedded"
+    for asked in (["--dtype", "float32"], ["--exact"], ["--runner", "eager"], ["--draft", "early-exit:4"]):
+        assert target(*asked) == "embedded", asked
+    assert resolve_target(build_parser().parse_args(["generate", "x"]), torch.float32)[0] == "embedded"  # default
+    monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: "not installed")
+    assert target() == "embedded"
+    assert (Path(__file__).resolve().parents[2] / AUTO_TARGET_EVIDENCE).is_dir()

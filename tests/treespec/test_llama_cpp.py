@@ -260,7 +260,7 @@ def test_cli_generates_on_a_gguf_target(arch, tmp_path, capsys):
     from treespec.cli import main
 
     path = tiny_gguf(tmp_path / f"{arch}.gguf", arch, vocab_size=300, seed=2, logit_scale=4.0)
-    code = main(["generate", "abab abab abab", "--target", str(path), "--max-new-tokens", "12",
+    code = main(["generate", "abab abab abab", "--target", str(path), "--max-new-tokens", "12", "--draft", "ngram",
                  "--no-stop", "--json", "--threads", "1"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
