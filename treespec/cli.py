@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -71,7 +72,7 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
     gguf_draft = draft in DRAFT_WORDS or draft.endswith(".safetensors") or (
         draft.startswith("lookup+") and draft.endswith(".safetensors"))
     pytorch_asked = (args.dtype != "auto" or args.exact or args.quantize != "none" or args.runner != "auto"
-                     or not gguf_draft)
+                     or args.draft_quantize not in ("auto", "none") or not gguf_draft)
     if dtype == torch.float32 and not pytorch_asked:
         from .models.llama_cpp import llama_cpp_available
 
@@ -110,13 +111,14 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
         dtype = resolve_cli_dtype(args)
     target = resolve_target(args, dtype)[0]
     draft = default_draft(target, dtype, args.temperature)
-    if target_kind(target) != "embedded":
+    kind = target_kind(target)
+    if kind == "other":
         return draft
+    head_fits = target in ("embedded", EMBEDDED_GGUF)
     if args.temperature <= 0 and args.tree is not None:  # an explicit --tree keeps its n-gram meaning
         return "ngram"
-    if args.temperature > 0 and draft == "none" and (
-            args.tree is not None or args.min_confidence is not None or args.law is not None):
-        return "head"  # speculation options asked for: the head follows them
+    if draft == "none" and (args.tree is not None or args.min_confidence is not None or args.law is not None):
+        return "head" if head_fits and args.temperature > 0 else "ngram"  # speculation asked for: a drafter follows
     return draft
 
 
@@ -138,6 +140,18 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
                                             and not draft.startswith("lookup+")):
         raise CliInputError(f"--draft {draft} needs a PyTorch target; a GGUF target drafts with ngram, head, "
                             f"lookup+head or a head file")
+    if args.tree is not None:  # the llama.cpp runner's limits, checked before anything loads
+        from .models.llama_cpp import DEFAULT_MAX_LEAVES, DEFAULT_TREE_CELLS
+
+        if draft == "ngram":
+            nodes, leaves = args.tree[0] * args.tree[-1], args.tree[-1]
+        else:
+            branching = (1,) * args.tree[0] if len(args.tree) == 1 else args.tree
+            nodes, leaves = tree_nodes(branching), math.prod(branching)
+        if nodes + 1 > DEFAULT_TREE_CELLS or leaves > DEFAULT_MAX_LEAVES:
+            raise CliInputError(f"--tree {','.join(map(str, args.tree))}: {nodes} draft nodes and {leaves} leaves; "
+                                f"a llama.cpp pass takes at most {DEFAULT_TREE_CELLS - 1} nodes and "
+                                f"{DEFAULT_MAX_LEAVES} leaves")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -406,7 +420,10 @@ def run_generate(args) -> int:
             print(f"(this CPU computes no bf16 natively, so the PyTorch target runs float32; the same model decoded "
                   f"several times faster in llama.cpp on such a CPU: --target auto or embedded-gguf, with "
                   f"llama-cpp-python installed; {AUTO_TARGET_EVIDENCE})", file=sys.stderr)
-        if drafter is None and not args.plain and args.draft == "auto":
+        if drafter is None and not args.plain and args.draft == "auto" and info["runner"] == "llama.cpp":
+            print("(--draft auto decodes plainly on a GGUF target in float32: every drafter measured slower than plain "
+                  "decoding there; name a --draft to speculate anyway)", file=sys.stderr)
+        elif drafter is None and not args.plain and args.draft == "auto":
             print("(--draft auto decodes plainly at T>0 in float32: every drafter measured slower there; "
                   "--dtype bfloat16 where the CPU computes it natively, or name a --draft)", file=sys.stderr)
     return 0

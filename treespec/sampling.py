@@ -102,7 +102,9 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
 def top_p_mask_reference(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The nucleus of each row of ``probs`` ``[..., V]`` as a bool mask, the slow and obvious way: sort each row
     (probability descending, ties by token id ascending: a stable sort), keep a token if the mass strictly before
-    it is below ``top_p`` (the top token is always kept)."""
+    it is below ``top_p`` (the top token is always kept). Rows below float32 precision are summed in float32."""
+    if probs.dtype not in (torch.float32, torch.float64):
+        probs = probs.float()
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep_sorted = before < top_p
@@ -125,6 +127,8 @@ def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     whole vocabulary the reference decides. On a 262,144-entry row this replaces a full sort (tens of ms a row
     on a 2-core CPU) by a selection of a few dozen values.
     """
+    if probs.dtype not in (torch.float32, torch.float64):  # the margin below is float32's rounding
+        probs = probs.float()
     shape = probs.shape
     flat = probs.reshape(-1, shape[-1])  # [M, V]
     vocab = flat.shape[1]

@@ -284,3 +284,49 @@ def test_cli_refuses_what_a_gguf_target_cannot_do(runner, capsys, argv, message)
     assert main(["generate", "hello", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_failed_tree_pass_leaves_the_prefix_alone(runner, monkeypatch):
+    """A tree decode that fails (here: llama_decode returns an error) drops its path ids: the next pass sees the
+    committed prefix only, as a fresh prefill would."""
+    prefix = [1, 4, 9, 16]
+    tree = tree_of(4, 5, runner.vocab_size)
+    runner.reset()
+    runner.forward(None, None, torch.tensor(prefix), need_logits=False)
+    real = runner._ll.llama_decode
+    monkeypatch.setattr(runner._ll, "llama_decode", lambda ctx, batch: 1)
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        runner.forward(tree, torch.arange(tree.num_nodes))
+    monkeypatch.setattr(runner._ll, "llama_decode", real)
+    assert runner.slots == [] and runner.tree is None and runner.length == len(prefix)
+    out = runner.forward(tree, torch.arange(tree.num_nodes))["logits"]
+    runner.commit([0])
+    ref = causal_logits(runner, prefix + tree.tokens[tree.root_path(7)].tolist())[-1]
+    torch.testing.assert_close(out[7], ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--draft", "ngram", "--tree", "8,64"], "leaves"),
+    (["--draft", "head", "--tree", "8,8"], "reads the hidden states"),
+])
+def test_cli_checks_tree_limits_of_a_gguf_target(runner, capsys, argv, message):
+    from treespec.cli import main
+
+    assert main(["generate", "hello", "--target", str(runner.path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_options_that_ask_for_speculation_are_followed_on_gguf():
+    """--tree / --law / --min-confidence on a GGUF target pick a drafter that follows them, never plain decoding."""
+    import torch as _torch
+
+    from treespec.cli import _resolved_draft, build_parser
+
+    def resolved(*argv):
+        return _resolved_draft(build_parser().parse_args(["generate", "x", "--target", "embedded-gguf", *argv]),
+                               _torch.float32)
+
+    assert resolved() == "none"  # the measured default in float32
+    assert resolved("--tree", "8,4") == "ngram"
+    assert resolved("--temperature", "1", "--law", "iid") == "head"
+    assert resolved("--temperature", "1", "--min-confidence", "0.3") == "head"

@@ -48,6 +48,8 @@ class OnlineNgramConfig:
 class OnlineNgramDrafter:
     """Prompt lookup over everything served so far (this request and earlier ones)."""
 
+    reads_target_hidden = False
+
     def __init__(self, config: OnlineNgramConfig = OnlineNgramConfig(), device: torch.device | str = "cpu") -> None:
         self.config = config
         self.device = device

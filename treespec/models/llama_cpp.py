@@ -123,6 +123,7 @@ class LlamaCppRunner:
         ll = self._ll = _lib()
         _quiet_backend(ll)
         mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = 0  # the runner's tensors are host tensors (device cpu), the captured ones too
         self._model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {str(path)!r}")
@@ -161,6 +162,7 @@ class LlamaCppRunner:
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             ll.llama_model_free(self._model)
+            self._model = None
             raise ValueError(f"llama.cpp could not create a context for {str(path)!r}")
         self._mem = ll.llama_get_memory(self._ctx)
         self._batch = ll.llama_batch_init(self.batch_size, 0, max_leaves + 1)
@@ -232,55 +234,70 @@ class LlamaCppRunner:
         if embeddings != self._embeddings:
             self._ll.llama_set_embeddings(self._ctx, embeddings)
             self._embeddings = embeddings
+        ids = [int(t) for t in chain.tolist()] if m else []
+        self._check_ids(ids)
+        if self.length + m > self.max_positions:
+            raise ValueError(f"context overflow: {self.length + m} tokens exceed the runner's context of "
+                             f"{self.max_positions}")
+        plan = self._plan_tree(tree, nodes, n, self.length + m) if n else None  # checked before any decode
         logits, hidden = [], []
-        if m:
-            ids = [int(t) for t in chain.tolist()]
-            self._check_ids(ids)
-            if self.length + m > self.max_positions:
-                raise ValueError(f"context overflow: {self.length + m} tokens exceed the runner's context of "
-                                 f"{self.max_positions}")
-            for start in range(0, m, self.batch_size):
-                part = ids[start:start + self.batch_size]
-                self._fill(part, [self.length + start + i for i in range(len(part))],
-                           [(0,)] * len(part), outputs)
-                self._decode()
-                if outputs:
-                    self._read(len(part), need_logits, need_hidden, logits, hidden)
-            self.length += m
-        if n:
-            if tree is None:
-                raise ValueError("tree nodes need their tree")
-            if n != tree.num_nodes or not torch.equal(nodes.cpu(), torch.arange(n)):
-                raise ValueError("the llama.cpp runner verifies a whole tree in one forward: pass every node "
-                                 "in index order")
-            tokens = [int(t) for t in tree.tokens.tolist()]
-            self._check_ids(tokens)
-            if n > self.tree_cells:
-                raise ValueError(f"a tree of {n} nodes exceeds the runner's {self.tree_cells} tree cells")
-            children = tree.num_children.tolist()
-            leaves = [i for i in range(n) if children[i] == 0]
-            if len(leaves) > self.max_leaves:
-                raise ValueError(f"a tree with {len(leaves)} leaves exceeds the runner's {self.max_leaves} paths "
-                                 f"(max_leaves)")
-            if self.length + int(tree.max_depth) + 1 > self.max_positions + self.tree_cells:
-                raise ValueError("context overflow: the tree reaches past the runner's context")
-            on_path = tree.ancestor_mask[torch.tensor(leaves)].cpu()  # [leaves, n]: node j on path s
-            seq_ids = [tuple(int(s) + 1 for s in torch.nonzero(on_path[:, j]).flatten().tolist())
-                       for j in range(n)]
+        for start in range(0, m, self.batch_size):
+            part = ids[start:start + self.batch_size]
+            self._fill(part, [self.length + i for i in range(len(part))], [(0,)] * len(part), outputs)
+            self._decode()  # a failed chunk leaves nothing: llama.cpp rolls its own batch back
+            self.length += len(part)  # committed chunk by chunk, so a later failure keeps the cache consistent
+            if outputs:
+                self._read(len(part), need_logits, need_hidden, logits, hidden)
+        if plan is not None:
+            tokens, positions, seq_ids, leaves = plan
             for s in range(1, len(leaves) + 1):
                 self._ll.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
             self.tree, self.root_position, self._leaves = tree, self.length, leaves
-            self._fill(tokens, [self.length + d for d in tree.depths.tolist()], seq_ids, outputs)
-            self._decode()
+            self._fill(tokens, positions, seq_ids, outputs)
+            try:
+                self._decode()
+                if outputs:
+                    self._read(n, need_logits, need_hidden, logits, hidden)
+            except BaseException:
+                self._drop_paths()  # the prefix alone again, as before the call
+                raise
             self.slots = list(range(n))
-            if outputs:
-                self._read(n, need_logits, need_hidden, logits, hidden)
         result = {}
         if need_logits:
             result["logits"] = torch.cat(logits) if len(logits) > 1 else logits[0]
         if need_hidden:
             result["hidden"] = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
         return result
+
+    def _plan_tree(self, tree: TokenTree | None, nodes: torch.Tensor, n: int, root_position: int):
+        """(tokens, positions, sequence ids, leaves) of one tree pass, every limit checked."""
+        if tree is None:
+            raise ValueError("tree nodes need their tree")
+        if n != tree.num_nodes or not torch.equal(nodes.cpu(), torch.arange(n)):
+            raise ValueError("the llama.cpp runner verifies a whole tree in one forward: pass every node in "
+                             "index order")
+        tokens = [int(t) for t in tree.tokens.tolist()]
+        self._check_ids(tokens)
+        if n > self.tree_cells:
+            raise ValueError(f"a tree of {n} nodes exceeds the runner's {self.tree_cells} tree cells")
+        children = tree.num_children.tolist()
+        leaves = [i for i in range(n) if children[i] == 0]
+        if len(leaves) > self.max_leaves:
+            raise ValueError(f"a tree with {len(leaves)} leaves exceeds the runner's {self.max_leaves} paths "
+                             f"(max_leaves)")
+        if root_position + int(tree.max_depth) + 1 > self.max_positions:
+            raise ValueError(f"context overflow: the tree reaches position {root_position + int(tree.max_depth)}, "
+                             f"past the runner's context of {self.max_positions}")
+        on_path = tree.ancestor_mask[torch.tensor(leaves)].cpu()  # [leaves, n]: node j on path s
+        seq_ids = [tuple(int(s) + 1 for s in torch.nonzero(on_path[:, j]).flatten().tolist()) for j in range(n)]
+        positions = [root_position + d for d in tree.depths.tolist()]
+        return tokens, positions, seq_ids, leaves
+
+    def _drop_paths(self) -> None:
+        """Remove every path id (the cells only they hold go too) and forget the tree."""
+        for s in range(1, len(self._leaves) + 1):
+            self._ll.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self.tree, self.slots, self._leaves = None, [], []
 
     def _check_ids(self, ids: list[int]) -> None:
         if any(t < 0 or t >= self.vocab_size for t in ids):
@@ -311,6 +328,9 @@ class LlamaCppRunner:
             ptr = self._ll.llama_get_logits(self._ctx)
             logits.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy()))
         if need_hidden and self._capture_on:
+            if not self._captured:
+                raise RuntimeError("llama.cpp's graph ran without a result_norm tensor: this model's hidden states "
+                                   "cannot be captured (use capture_hidden=False)")
             got = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]
             self._captured = []
             if got.shape != (rows, self.hidden_size):
@@ -349,10 +369,8 @@ class LlamaCppRunner:
             below = tree.ancestor_mask[torch.tensor(self._leaves), nodes[-1]].cpu()  # [leaves]
             path_id = int(torch.nonzero(below).flatten()[0]) + 1  # a path through the last kept node
             self._ll.llama_memory_seq_cp(self._mem, path_id, 0, self.root_position, self.root_position + kept)
-        for s in range(1, len(self._leaves) + 1):
-            self._ll.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self._drop_paths()
         self.length = self.root_position + kept
-        self.tree, self.slots, self._leaves = None, [], []
 
 
 class LlamaCppTokenizer:
