@@ -49,6 +49,14 @@ def time_passes(runner, n: int, mode: str, reps: int) -> list[float]:
     return times
 
 
+def _relative(path: Path) -> str:
+    """``path`` relative to the repository when inside it (no machine-specific paths in results)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return str(path)
+
+
 def render(data: dict) -> str:
     """``table.md`` from ``profile.json``'s contents."""
     prov, machine, rows, st = data["provenance"], data["machine"], data["rows"], data["settings"]
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"n={n}: " + ", ".join(f"{m} {row[m]['median_ms']:.1f} ms" for m in MODES), flush=True)
     write_json(out / "profile.json", {"provenance": prov, "machine": machine_info(), "gguf": gguf.name,
-                                      "settings": vars(args) | {"out": str(out)}, "rows": rows})
+                                      "settings": vars(args) | {"out": _relative(out)}, "rows": rows})
     (out / "table.md").write_text(render(json.loads((out / "profile.json").read_text())))
     finish(out, started)
     print(f"results in {out}")
