@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .drafters import DraftOptions, build_drafter
+from .drafters import EMBEDDED_GGUF, DraftOptions, build_drafter, target_kind
 from .drafting.base import Drafter
 from .drafting.compose import FirstOf
 from .generate import GenerationConfig, generate
@@ -49,10 +49,6 @@ class CliInputError(ValueError):
     """A command-line value the CLI refuses before loading anything."""
 
 
-#: --target word for the embedded Gemma-3-270M's own Q4_K_M GGUF, run by llama.cpp
-EMBEDDED_GGUF = "embedded-gguf"
-
-
 #: where --target auto chose the llama.cpp engine: the paired run that measured it (a CPU without native bf16)
 AUTO_TARGET_EVIDENCE = "benchmarks/results/speed/2026-11-27-2a998ca-epyc-avx2-llama-target"
 
@@ -68,9 +64,7 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
         return args.target, None
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    draft = args.draft
-    gguf_draft = draft in DRAFT_WORDS or draft.endswith(".safetensors") or (
-        draft.startswith("lookup+") and draft.endswith(".safetensors"))
+    gguf_draft = args.draft in DRAFT_WORDS or args.draft.endswith(".safetensors")  # lookup+H.safetensors included
     pytorch_asked = (args.dtype != "auto" or args.exact or args.quantize != "none" or args.runner != "auto"
                      or args.draft_quantize not in ("auto", "none") or not gguf_draft)
     if dtype == torch.float32 and not pytorch_asked:
@@ -82,9 +76,9 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
     return "embedded", None
 
 
-def gguf_target(target: str) -> bool:
-    """Whether ``--target`` names a GGUF model (run by llama.cpp) rather than a PyTorch one."""
-    return target == EMBEDDED_GGUF or target.lower().endswith(".gguf")
+def _reads_head(draft: str) -> bool:
+    """Whether a resolved ``--draft`` word drafts with a head (the shipped one or a head file)."""
+    return draft in ("head", "lookup+head") or draft.endswith(".safetensors")
 
 
 def tree_nodes(branching: tuple[int, ...]) -> int:
@@ -103,7 +97,7 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
     n-gram meaning (depth,branches), and at T>0 ``--tree``, ``--min-confidence`` or ``--law`` ask for the shipped
     head, which follows them. The head's own settings per temperature (tree, confidence, law, 4-bit weights) are
     :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`."""
-    from .drafters import default_draft, target_kind
+    from .drafters import default_draft
 
     if args.draft != "auto":
         return args.draft
@@ -133,7 +127,7 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
             raise CliInputError(f"{flag} applies to PyTorch targets; a GGUF target runs llama.cpp on the file's own "
                                 f"weights")
     draft = "none" if args.plain else _resolved_draft(args)
-    if (draft in ("head", "lookup+head") or draft.endswith(".safetensors")) and args.target != EMBEDDED_GGUF:
+    if _reads_head(draft) and args.target != EMBEDDED_GGUF:
         raise CliInputError(f"--draft {draft} reads the hidden states of the embedded Gemma-3-270M; on another GGUF "
                             f"use --draft ngram or none")
     if draft.startswith("early-exit:") or (draft not in DRAFT_WORDS and not draft.endswith(".safetensors")
@@ -157,7 +151,7 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
-    if gguf_target(args.target):
+    if target_kind(args.target) == "gguf":
         _check_gguf_args(args)
     try:
         args.prompt.encode("utf-8")
@@ -171,7 +165,7 @@ def _check_args(args: argparse.Namespace) -> None:
                             f"would use {str(resolve_cli_dtype(args)).replace('torch.', '')})")
     if args.draft_quantize not in ("auto", "none"):
         draft = "none" if args.plain else _resolved_draft(args)
-        if not (draft in ("head", "lookup+head") or draft.endswith(".safetensors")):
+        if not _reads_head(draft):
             raise CliInputError(f"--draft-quantize {args.draft_quantize} applies to a draft head (--draft head, "
                                 f"lookup+head or a head .safetensors); this run drafts with {draft!r}")
     if args.tree is not None:
@@ -342,7 +336,7 @@ def _gguf_runner(args):
     path = embedded_gguf() if args.target == EMBEDDED_GGUF else args.target
     print("treespec: loading the GGUF model in llama.cpp...", file=sys.stderr, flush=True)
     draft = "none" if args.plain else _resolved_draft(args)
-    needs_model = draft in ("head", "lookup+head") or draft.endswith(".safetensors")
+    needs_model = _reads_head(draft)
     # a head reads hidden states: captured from llama.cpp's graph, so that the prefill skips the LM head
     runner = LlamaCppRunner(path, threads=args.threads or torch.get_num_threads(), capture_hidden=needs_model)
     target = load_model("embedded", dtype=resolve_cli_dtype(args)) if needs_model else None
@@ -366,14 +360,13 @@ def run_generate(args) -> int:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")
-    if gguf_target(args.target):
-        runner, tokenizer, target = _gguf_runner(args)
-        drafter = _drafter(args, target, tokenizer, dtype)  # target: None unless a head reads it
+    if target_kind(args.target) == "gguf":
+        runner, tokenizer, target = _gguf_runner(args)  # target: None unless a head reads it
     else:
         tokenizer = load_tokenizer(args.target)
         target = load_model(args.target, dtype=dtype)
-        drafter = _drafter(args, target, tokenizer, dtype)
         runner = None
+    drafter = _drafter(args, target, tokenizer, dtype)
     prompt_ids = tokenizer(args.prompt)["input_ids"]
     stream = None
     if not args.json:

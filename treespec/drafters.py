@@ -84,11 +84,15 @@ DEFAULT_DRAFTS: dict[tuple[str, str, str], DefaultDraft] = {
 }
 
 
+#: the ``--target`` word for the embedded Gemma-3-270M's own Q4_K_M GGUF, run by llama.cpp
+EMBEDDED_GGUF = "embedded-gguf"
+
+
 def target_kind(target: str) -> str:
     """``embedded``, ``gguf`` or ``other`` for a ``--target`` value (the keys of :data:`DEFAULT_DRAFTS`)."""
     if target == "embedded":
         return "embedded"
-    if target == "embedded-gguf" or target.lower().endswith(".gguf"):
+    if target == EMBEDDED_GGUF or target.lower().endswith(".gguf"):
         return "gguf"
     return "other"
 
