@@ -8,7 +8,9 @@ median over ``--reps`` passes of three ways to ask llama.cpp for what a verifier
 * ``hidden``: every node's hidden state captured from the graph, the LM head skipped (``capture_hidden``).
 
 ``logits - body`` is llama.cpp's LM head over n rows (262,144 entries each for Gemma-3-270M) plus the copy of
-the rows; ``t(n) / t(1)`` says how much a tree pass of n nodes costs over a plain decoding step. Writes
+the rows; ``t(n) / t(1)`` says how much a tree pass of n nodes costs over a plain decoding step. A second table
+holds a pass of ``--rows-of`` nodes with logits for its first k nodes only (``forward(..., rows=...)``, what
+``--leaf-logits off`` asks for), for each k of ``--rows``: what each LM-head row adds. Writes
 ``profile.json`` and ``table.md`` under ``benchmarks/results/profile/<date>-<commit>-llama-cpp[-tag]/``::
 
     python benchmarks/profile_llama_cpp.py --threads 2
@@ -31,17 +33,19 @@ from benchmarks.common import add_output_args, finish, host_name, machine_info, 
 MODES = ("logits", "body", "hidden")
 
 
-def time_passes(runner, n: int, mode: str, reps: int) -> list[float]:
-    """Seconds of ``reps`` tree passes of a chain of ``n`` nodes, each committed then rolled back."""
+def time_passes(runner, n: int, mode: str, reps: int, rows: int | None = None) -> list[float]:
+    """Seconds of ``reps`` tree passes of a chain of ``n`` nodes, each committed then rolled back (``rows``:
+    logits of the first ``rows`` nodes only)."""
     from treespec.tree import TokenTree
 
     tree = TokenTree.chain(5, list(range(2000, 2000 + n - 1)))
     nodes = torch.arange(n)
+    picked = None if rows is None else torch.arange(rows)
     base = runner.length
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.forward(tree, nodes, need_logits=mode == "logits", need_hidden=mode == "hidden")
+        runner.forward(tree, nodes, need_logits=mode == "logits", need_hidden=mode == "hidden", rows=picked)
         times.append(time.perf_counter() - t0)
         runner.commit([0])
         runner._ll.llama_memory_seq_rm(runner._mem, 0, base, -1)  # the prefix alone again
@@ -76,6 +80,16 @@ def render(data: dict) -> str:
         ratio = (f" {row['logits']['median_ms'] / base['logits']:.2f} | {row['body']['median_ms'] / base['body']:.2f} |"
                  if base else "")
         lines.append(f"| {row['nodes']} | " + " | ".join(cells) + f" | {per_row:.1f} |" + ratio)
+    if data.get("row_sweep"):
+        n = st["rows_of"]
+        lines += ["", f"A pass of {n} nodes with logits for its first k nodes only (``rows``), against its body:", "",
+                  "| k rows | pass (ms) | LM head + copy (ms) | per row (ms) |", "|---|---|---|---|"]
+        body = next((r["body"]["median_ms"] for r in rows if r["nodes"] == n), None)
+        for row in data["row_sweep"]:
+            t = row["pass"]
+            head = "-" if body is None else f"{t['median_ms'] - body:.1f}"
+            per = "-" if body is None else f"{(t['median_ms'] - body) / row['rows']:.1f}"
+            lines.append(f"| {row['rows']} | {t['median_ms']:.1f} [{t['min_ms']:.1f}, {t['max_ms']:.1f}] | {head} | {per} |")
     return "\n".join(lines) + "\n"
 
 
@@ -85,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=100, help="committed tokens before each pass")
+    ap.add_argument("--rows-of", type=int, default=8, help="nodes of the pass whose output rows --rows sweeps")
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 8],
+                    help="output rows k of the --rows-of pass (none: no sweep)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--render", type=Path, default=None, metavar="DIR",
                     help="only rewrite DIR/table.md from DIR/profile.json (nothing is measured)")
@@ -97,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if min(args.nodes) < 1 or args.reps < 1 or args.prefix < 1:
         ap.error("--nodes, --reps and --prefix take positive integers")
+    if args.rows and not all(1 <= k <= args.rows_of for k in args.rows):
+        ap.error(f"--rows takes integers in 1..--rows-of ({args.rows_of})")
     from treespec.models.llama_cpp import LlamaCppRunner, llama_cpp_available
     from treespec.models.loading import embedded_gguf
 
@@ -123,8 +142,16 @@ def main(argv: list[str] | None = None) -> int:
             row[mode] = {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts)}
         rows.append(row)
         print(f"n={n}: " + ", ".join(f"{m} {row[m]['median_ms']:.1f} ms" for m in MODES), flush=True)
+    sweep = []
+    for k in args.rows:
+        time_passes(plain, args.rows_of, "logits", 2, rows=k)  # warm-up
+        ts = time_passes(plain, args.rows_of, "logits", args.reps, rows=k)
+        sweep.append({"rows": k, "pass": {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+                                          "max_ms": 1e3 * max(ts)}})
+        print(f"{args.rows_of} nodes, {k} rows: {sweep[-1]['pass']['median_ms']:.1f} ms", flush=True)
     write_json(out / "profile.json", {"provenance": prov, "machine": machine_info(), "gguf": gguf.name,
-                                      "settings": vars(args) | {"out": _relative(out)}, "rows": rows})
+                                      "settings": vars(args) | {"out": _relative(out)}, "rows": rows,
+                                      "row_sweep": sweep})
     (out / "table.md").write_text(render(json.loads((out / "profile.json").read_text())))
     finish(out, started)
     print(f"results in {out}")

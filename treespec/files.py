@@ -2,9 +2,12 @@
 
 Every writer of a result, checkpoint, weights file or cache manifest in the project goes through
 :func:`atomic_write`: the content goes to a temporary file next to the target (same file system),
-is flushed to disk, and replaces the target with one ``os.replace``. A writer that fails removes its
-temporary file; one killed outright (``kill -9``) leaves a temporary whose name carries its process
-id, which :func:`remove_stale_temporaries` deletes on the next run once that process is gone.
+is flushed to disk, and replaces the target with one ``os.replace``. The temporary's name,
+``.NAME.tmpPID-RANDOM``, cannot be guessed, and it is created exclusively (``O_EXCL``, ``O_NOFOLLOW``):
+a file or symbolic link planted in the folder is never written through, and never becomes the target.
+A writer that fails removes its temporary file; one killed outright (``kill -9``) leaves a temporary
+whose name carries its process id, which :func:`remove_stale_temporaries` deletes on the next run
+once that process is gone.
 """
 
 from __future__ import annotations
@@ -12,19 +15,35 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
 _TMP_MARK = ".tmp"
 
 
-def temporary_path(path: Path) -> Path:
-    """The temporary name used while writing ``path``: ``.NAME.tmpPID`` in the same folder."""
-    return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def create_temporary(path: Path) -> Path:
+    """Create a new, empty temporary for writing ``path``: ``.NAME.tmpPID-RANDOM`` in the same folder.
+
+    The random part (64 bits) makes the name unpredictable, and the file is created exclusively without
+    following links, so whatever is planted in the folder (a symbolic link, a file) is never opened; a
+    name that exists already is simply drawn again. Mode ``0o666`` less the umask, as for ``open(..., "w")``.
+    """
+    while True:
+        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            os.close(os.open(tmp, _CREATE_FLAGS, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
         os.fsync(fd)
     finally:
@@ -34,14 +53,17 @@ def _fsync(path: Path) -> None:
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
     """Call ``write(tmp)`` to produce the file, then move it onto ``path`` in one step.
 
-    ``write`` receives the temporary path and must create that file (``torch.save``,
-    ``safetensors.save_file``, ``Path.write_text``...). On any exception the temporary is removed
-    and ``path`` keeps its previous content (or stays absent).
+    ``write`` receives the temporary path (created empty by :func:`create_temporary`) and writes the
+    content there (``torch.save``, ``Path.write_bytes``, ``Path.write_text``...). Only a regular file
+    is moved onto ``path``: a temporary replaced by a link meanwhile is refused (``OSError``). On any
+    exception the temporary is removed and ``path`` keeps its previous content (or stays absent).
     """
     path = Path(path)
-    tmp = temporary_path(path)
+    tmp = create_temporary(path)
     try:
         write(tmp)
+        if not stat.S_ISREG(os.lstat(tmp).st_mode):
+            raise OSError(f"{tmp}: the temporary of {path.name} is no longer a regular file; not moved into place")
         _fsync(tmp)
         os.replace(tmp, path)
     finally:
@@ -72,7 +94,8 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-_TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)$")
+#: ``.NAME.tmpPID-RANDOM`` (:func:`create_temporary`), and ``.NAME.tmpPID`` left by writers before the random part
+_TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)(?:-[0-9a-f]+)?$")
 
 
 def remove_stale_temporaries(folder: str | Path) -> list[Path]:

@@ -8,6 +8,7 @@ decoding.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,22 +22,43 @@ from .sampling import SamplingConfig, logits_to_probs
 from .verify import VERIFIERS, VerifyResult, resolve_verifier
 
 
+#: the largest seed: torch.Generator.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed s to
+#: 2**64 - 1 + s, so [0, 2**64 - 1] names every generator state once
+MAX_SEED = 2**64 - 1
+
+
+def _is_integer(value) -> bool:
+    """An int or a numpy integer, not a bool (``True`` is an int to Python, never a count or a seed here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """max_new_tokens: exact cap on generated tokens. seed: makes sampling reproducible.
     stop_on_eos: end generation at the first EOS token (included in the output).
     verifier: a name in :data:`treespec.verify.VERIFIERS`, or "auto" (greedy at temperature 0,
-    else the verifier matching the drafter's law)."""
+    else the verifier matching the drafter's law).
+    leaf_logits: ask the target for the rows of tree leaves too, so that a path accepted down to a
+    leaf also yields its bonus token. False asks only for the rows of ``tree.verified_nodes`` (the root
+    and the nodes with children): one LM-head row fewer per leaf, for targets where each output row
+    is dear (llama.cpp); the output's law is the same either way."""
 
     max_new_tokens: int = 64
     sampling: SamplingConfig = SamplingConfig()
     seed: int | None = 0
     stop_on_eos: bool = True
     verifier: str = "auto"
+    leaf_logits: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))  # a numpy integer becomes an int
+        if self.seed is not None:
+            if not _is_integer(self.seed) or not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1] (what "
+                                 f"torch.Generator.manual_seed takes, negatives aside), got {self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))
         if self.verifier != "auto" and self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; expected 'auto' or one of {sorted(VERIFIERS)}")
         if self.verifier == "greedy" and not self.sampling.greedy:
@@ -99,6 +121,77 @@ def _verifier(name: str, law: str, sampling: SamplingConfig) -> tuple[str, Calla
     return name, VERIFIERS[name]  # looked up per call: a patched table is honoured
 
 
+def prompt_list(prompt_ids) -> list[int]:
+    """``prompt_ids`` as a list of ints: a sequence of integers (ints, numpy integers, 0-d integer tensors), a
+    1-D integer tensor or array, or a batch of one (``[1, N]``). Everything else is refused by name: a batch of
+    several prompts (generate() serves one), float or bool ids (never truncated or read as 0/1), strings."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError(f"prompt_ids must be token ids, got a {type(prompt_ids).__name__}: tokenize the text "
+                         f"first (tokenizer(text)['input_ids'])")
+    if not isinstance(prompt_ids, torch.Tensor) and hasattr(prompt_ids, "__array__") and hasattr(prompt_ids, "dtype"):
+        try:
+            prompt_ids = torch.as_tensor(prompt_ids)  # a numpy array
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"prompt_ids must be integer token ids, got an array of {prompt_ids.dtype}") from None
+    if isinstance(prompt_ids, torch.Tensor):
+        ids = prompt_ids
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise ValueError(f"prompt_ids must be 1-D (or a batch of one, [1, N]); got a tensor of shape "
+                             f"{list(prompt_ids.shape)}: generate() serves one prompt per call")
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"prompt_ids must be integer token ids, got a {str(ids.dtype).replace('torch.', '')} "
+                             f"tensor")
+        return [int(t) for t in ids.tolist()]
+    try:
+        ids = list(prompt_ids)
+    except TypeError:
+        raise ValueError(f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}") from None
+    if ids and all(isinstance(t, (list, tuple, torch.Tensor)) and not (isinstance(t, torch.Tensor) and t.dim() == 0)
+                   for t in ids):
+        if len(ids) != 1:
+            raise ValueError(f"prompt_ids holds {len(ids)} prompts; generate() serves one prompt per call: pass a "
+                             f"1-D list or a batch of one ([1, N])")
+        return prompt_list(ids[0] if isinstance(ids[0], torch.Tensor) else list(ids[0]))
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, torch.Tensor) and t.dim() == 0 and not (t.dtype == torch.bool or t.is_floating_point()
+                                                                  or t.is_complex()):
+            t = t.item()
+        if not _is_integer(t):
+            raise ValueError(f"prompt_ids[{i}] is {t!r} ({type(t).__name__}); token ids are integers (no floats, "
+                             f"bools or strings)")
+        out.append(int(t))
+    return out
+
+
+def check_draft_vocabulary(drafter, target_vocab_size: int) -> None:
+    """Refuse a model drafter whose logits span another vocabulary than the target's, by name: the check the
+    CLI runs on a draft model (:func:`~treespec.models.compat.check_draft_vocab`), for drafters built in Python
+    (without it a draft of a smaller vocabulary fails in the target's embedding with a bare IndexError).
+    Looks inside composed drafters (``drafters``) and wrappers (``drafter``)."""
+    from .models.compat import check_draft_vocab
+    from .trees.common import RunnerDrafter
+
+    todo, seen = [drafter], set()
+    while todo:
+        d = todo.pop()
+        if d is None or id(d) in seen:
+            continue
+        seen.add(id(d))
+        todo.extend(getattr(d, "drafters", None) or ())
+        todo.append(getattr(d, "drafter", None))
+        if not isinstance(d, RunnerDrafter) or d.vocab_size == target_vocab_size:
+            continue
+        model = d.runner.model
+        if model is not None:  # a causal LM: its own vocabulary sizes name the problem
+            check_draft_vocab(target_vocab_size, model.get_input_embeddings().weight.shape[0],
+                              model.get_output_embeddings().weight.shape[0])
+        raise ValueError(f"draft vocabulary mismatch: {type(d).__name__} drafts over {d.vocab_size} tokens but the "
+                         f"target has {target_vocab_size}; build it with target_vocab_size={target_vocab_size}")
+
+
 class ConcurrentDrafterError(RuntimeError):
     """Raised when a drafter (or a target runner) already generating in one call is passed to
     generate() again before that call returns (another thread, or a callback)."""
@@ -153,9 +246,10 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
     callback : called with the tokens appended at each step (streaming).
     eos_ids : EOS token ids (default: the target's generation config).
     """
+    prompt = prompt_list(prompt_ids)
     runner = target_runner(target)
     drafter = drafter if drafter is not None else NoDrafter()
-    prompt = [int(t) for t in (prompt_ids.flatten().tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+    check_draft_vocabulary(drafter, runner.vocab_size)
     if not prompt:
         raise ValueError("empty prompt: give at least one token (a text prompt must not tokenize to nothing)")
     if any(t < 0 or t >= runner.vocab_size for t in prompt):
@@ -203,7 +297,8 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
         t1 = time.perf_counter()
         # verify the whole tree in one target pass
         nodes = torch.arange(tree.num_nodes, device=runner.device)
-        out = runner.forward(tree, nodes, need_hidden=hidden, **features)
+        rows = None if config.leaf_logits or tree.num_nodes == 1 else tree.verified_nodes  # [R] or all
+        out = runner.forward(tree, nodes, need_hidden=hidden, rows=rows, **features)
         # the greedy verifier needs only each row's argmax: logits serve as they are
         target_probs = out["logits"] if verifier_name == "greedy" else logits_to_probs(out["logits"], sampling)
         verdict = verify(tree, target_probs, draft.draft_probs, generator)
@@ -219,7 +314,11 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
         kept = [0, *verdict.accepted_nodes[: len(emitted) - 1]]
         runner.commit(kept)
         drafter.accept(verdict, emitted)
-        target_hidden = out["hidden"][torch.tensor(kept, device=runner.device)] if hidden else None
+        if hidden:  # rows of the kept nodes (every kept node has a row: it has children or is the root)
+            kept_rows = torch.tensor(kept, device=runner.device)
+            target_hidden = out["hidden"][kept_rows if rows is None else torch.searchsorted(rows, kept_rows)]
+        else:
+            target_hidden = None
         seq.extend(emitted)
         result.token_ids.extend(emitted)
         if callback is not None:

@@ -8,6 +8,7 @@ come from :func:`logits_to_probs` with the same :class:`SamplingConfig`, in floa
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,17 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+        # any real number but a bool (numpy scalars included) is taken, as a Python float / int
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                try:
+                    object.__setattr__(self, name, float(value))
+                except OverflowError:  # an int beyond float: refused below
+                    pass
+        if isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool):
+            object.__setattr__(self, "top_k", int(self.top_k))
+        if not isinstance(self.temperature, float) or math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite")
@@ -40,7 +51,7 @@ class SamplingConfig:
                              f"smaller values overflow logits / temperature")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not isinstance(self.top_p, float) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property

@@ -66,10 +66,13 @@ class TokenTree:
         idx = torch.arange(self.parents.numel(), device=self.parents.device)
         if int(self.parents[0]) != -1:
             raise ValueError("node 0 must be the root (parents[0] == -1)")
-        if self.parents.numel() > 1 and not bool(
-            ((self.parents[1:] >= 0) & (self.parents[1:] < idx[1:])).all()
-        ):
+        ordered = ((self.parents[1:] >= 0) & (self.parents[1:] < idx[1:])).all()
+        valid_ids = (self.tokens >= 0).all()
+        ordered, valid_ids = torch.stack([ordered, valid_ids]).tolist()
+        if not ordered:
             raise ValueError("every non-root node needs a parent with a smaller index (topological order)")
+        if not valid_ids:
+            raise ValueError(f"token ids must be >= 0, got {int(self.tokens.min())}")
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -132,6 +135,15 @@ class TokenTree:
         if self.num_nodes > 1:
             counts.scatter_add_(0, self.parents[1:], torch.ones_like(self.parents[1:]))
         return counts
+
+    @cached_property
+    def verified_nodes(self) -> torch.Tensor:
+        """``[R]`` the root and every node with children, ascending: the nodes whose target rows a
+        verifier reads to accept or reject children. The other nodes (leaves) need a target row only
+        for the bonus token of a path accepted down to them."""
+        keep = self.num_children > 0
+        keep[0] = True
+        return torch.nonzero(keep).flatten()
 
     @cached_property
     def max_children(self) -> int:

@@ -6,6 +6,7 @@ edited); nothing here loads a model or downloads anything.
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 from pathlib import Path
@@ -347,6 +348,69 @@ def test_a_cut_last_round_line_is_dropped(tmp_path):
     path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
     with pytest.raises(run.ProvenanceError, match="line 2"):
         run.read_rounds(path)
+
+
+class _DiskFullFile:
+    """A file opened for writing on a full disk: each write stores half of its data, then fails with ENOSPC."""
+
+    def __init__(self, fh) -> None:
+        self._fh = fh
+
+    def write(self, data):
+        self._fh.write(data[: len(data) // 2])
+        self._fh.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._fh.close()
+
+
+def _disk_full(monkeypatch) -> None:
+    """Every file opened for writing or appending (``open``, ``io.open``, ``Path.open``) runs out of space."""
+    import builtins
+    import io
+
+    real_open = io.open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        fh = real_open(file, mode, *args, **kwargs)
+        return _DiskFullFile(fh) if any(c in mode for c in "wax+") else fh
+
+    monkeypatch.setattr(io, "open", full_open)
+    monkeypatch.setattr(builtins, "open", full_open)
+
+
+@pytest.mark.parametrize("tail", ['{"a": 6, "tok', '{"a": 6}'])
+def test_repairing_a_cut_round_on_a_full_disk_keeps_every_complete_round(tmp_path, monkeypatch, tail):
+    """``--resume`` repairs a rounds file whose last line was cut; with the disk full (every write fails
+    half-way with ENOSPC) no complete round may be lost: the repair truncates, it never rewrites.
+    A last round cut just before its newline is complete and is kept."""
+    from benchmarks import run
+
+    path = tmp_path / "rounds.jsonl"
+    complete = [{"a": i, "tokens": list(range(50))} for i in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in complete) + tail)
+    want = complete + ([{"a": 6}] if tail.endswith("}") else [])
+    with monkeypatch.context() as m:
+        _disk_full(m)
+        try:
+            rows = run.read_rounds(path)
+        except OSError as err:  # a failed repair may be reported, but must not cost a round
+            assert err.errno == errno.ENOSPC
+            rows = None
+    kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()[-1:] == "}"]
+    assert kept[: len(complete)] == complete, f"{len(kept)} rounds left of {len(complete)}"
+    assert not path.read_text().endswith('"tok')
+    if rows is not None:
+        assert rows == want
+    assert run.read_rounds(path) == want  # once the disk has room again
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in want)
 
 
 def _recorded(tmp_path, **changes) -> tuple:

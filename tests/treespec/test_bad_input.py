@@ -1,5 +1,6 @@
 """Bad input gets a clear error that names the problem."""
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -107,5 +108,99 @@ def test_unsupported_tree_verifier_pair():
     with pytest.raises(ValueError, match="verifier 'rrs' needs a tree drafted under 'iid'.*'deterministic'"):
         generate(model, [1, 2, 3, 1, 2], NgramDrafter(), cfg)
     tree = TokenTree.from_lists([-1, 0], [1, 2], "iid")
-    with pytest.raises(ValueError, match="draft_probs .* must match target_probs"):
+    with pytest.raises(ValueError, match=r"draft_probs .* must be \[num_nodes="):
         VERIFIERS["rrs"](tree, torch.full((2, 8), 1 / 8), torch.full((2, 9), 1 / 9))
+
+
+# ---------------------------------------------------------------------- the Python API takes no silent conversion
+@pytest.mark.parametrize("prompt_ids, message", [
+    (torch.tensor([[1, 2], [3, 4]]), r"must be 1-D \(or a batch of one, \[1, N\]\); got a tensor of shape \[2, 2\]"),
+    ([[1, 2], [3, 4]], "holds 2 prompts; generate.. serves one prompt"),
+    (torch.ones(1, 2, 3, dtype=torch.long), r"got a tensor of shape \[1, 2, 3\]"),
+    ([1.7, 2.2], r"prompt_ids\[0\] is 1.7 \(float\); token ids are integers"),
+    ([1, 2.0], r"prompt_ids\[1\] is 2.0 \(float\)"),
+    (torch.tensor([1.0, 2.0]), "integer token ids, got a float32 tensor"),
+    (np.array([1.5, 2.5]), "integer token ids, got a float64 tensor"),
+    (["1", "2"], r"prompt_ids\[0\] is '1' \(str\)"),
+    ("12", "got a str: tokenize the text first"),
+    ([True, False], r"prompt_ids\[0\] is True \(bool\)"),
+    (torch.tensor([True, False]), "got a bool tensor"),
+    ([1, torch.tensor(2.0)], r"prompt_ids\[1\] is tensor\(2.\)"),
+])
+def test_prompt_ids_are_refused_not_converted(prompt_ids, message):
+    """Before, a [2, N] tensor was flattened into one prompt, float ids truncated, strings parsed and bools read
+    as 0/1; each gave a generation."""
+    with pytest.raises(ValueError, match=message):
+        generate(tiny_model("llama", 32), prompt_ids, None, GenerationConfig(max_new_tokens=2))
+
+
+def test_prompt_id_forms_that_are_one_prompt_are_accepted():
+    model = tiny_model("llama", 32)
+    cfg = GenerationConfig(max_new_tokens=3, stop_on_eos=False)
+    want = generate(model, [1, 2, 3], None, cfg).token_ids
+    for ids in (torch.tensor([1, 2, 3]), torch.tensor([[1, 2, 3]]), [[1, 2, 3]], np.array([1, 2, 3]),
+                np.array([[1, 2, 3]], dtype=np.int32), [np.int64(1), 2, torch.tensor(3)], (1, 2, 3)):
+        out = generate(model, ids, None, cfg)
+        assert out.token_ids == want and out.prompt_ids == [1, 2, 3], ids
+
+
+@pytest.mark.parametrize("value", [True, False, 2.0, "4", 0, -1])
+def test_max_new_tokens_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        GenerationConfig(max_new_tokens=value)
+
+
+def test_numpy_numbers_are_taken_as_numbers():
+    """numpy real scalars are numbers (numpy.float32(0.9) as top-p was refused); bools are not."""
+    cfg = SamplingConfig(np.float32(0.5), np.int64(5), np.float32(0.9))
+    assert type(cfg.temperature) is float and type(cfg.top_k) is int and type(cfg.top_p) is float
+    assert cfg.top_p == pytest.approx(0.9) and cfg.top_k == 5
+    assert SamplingConfig(np.float64(0.7), top_p=np.float64(0.95)) == SamplingConfig(0.7, top_p=0.95)
+    assert GenerationConfig(max_new_tokens=np.int64(4), seed=np.uint64(7)) == GenerationConfig(max_new_tokens=4, seed=7)
+    for kwargs, message in ((dict(temperature=True), "temperature must be a number"),
+                            (dict(top_p=True), "top_p must be in"), (dict(top_k=True), "top_k must be an integer"),
+                            (dict(temperature="0.7"), "temperature must be a number")):
+        with pytest.raises(ValueError, match=message):
+            SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("seed", ["abc", 1.5, 2**64, -1, True, 3.0])
+def test_bad_seeds_are_refused_by_name(seed):
+    """torch.Generator.manual_seed takes [-2**63, 2**64 - 1] (a negative seed aliases a positive one) and
+    failed on 'abc', 1.5 or 2**64 with a bare torch error; seeds are integers in [0, 2**64 - 1]."""
+    with pytest.raises(ValueError, match=r"seed must be None or an integer in \[0, 2\*\*64 - 1\]"):
+        GenerationConfig(seed=seed)
+
+
+def test_extreme_seeds_generate():
+    model = tiny_model("llama", 32)
+    for seed in (0, 2**64 - 1, None):
+        cfg = GenerationConfig(max_new_tokens=2, sampling=SamplingConfig(1.0), seed=seed)
+        assert len(generate(model, [1, 2, 3], None, cfg).token_ids) == 2
+
+
+@pytest.mark.parametrize("draft_vocab, message", [
+    (32, "draft embeds 32 token ids but the target emits 40"),
+    (48, r"draft vocabulary \(48 logits\) is larger than the target's \(40\)"),
+])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafter_of_another_vocabulary_is_named_by_generate(draft_vocab, message, temperature):
+    """A ShapeDrafter built without target_vocab_size drafts over its own vocabulary: generate() names the
+    mismatch as the CLI does (a bare IndexError in the target's embedding at T=0 before, a shape error at T=1),
+    also inside a composed drafter."""
+    from treespec.drafting.compose import FirstOf
+
+    target = tiny_model("llama", 40)
+    cfg = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature))
+    drafter = ShapeDrafter(tiny_model("llama", draft_vocab, seed=1), TreeShape.chain(2), "iid")
+    with pytest.raises(ValueError, match=message):
+        generate(target, [1, 2, 3], drafter, cfg)
+    with pytest.raises(ValueError, match=message):
+        generate(target, [1, 2, 3], FirstOf(NgramDrafter(), drafter), cfg)
+
+
+def test_drafter_built_for_the_target_vocabulary_runs():
+    target = tiny_model("llama", 40)
+    drafter = ShapeDrafter(tiny_model("llama", 40, seed=1), TreeShape.chain(2), "iid")
+    out = generate(target, [1, 2, 3], drafter, GenerationConfig(max_new_tokens=4, stop_on_eos=False))
+    assert len(out.token_ids) == 4

@@ -16,6 +16,7 @@ from treespec.drafting.medusa import MedusaHeads, new_medusa_heads
 from treespec.generate import GenerationConfig
 from treespec.models.tiny import tiny_model
 from tests.treespec.test_cli_exact import tiny_dir  # noqa: F401  (fixture)
+from tests.treespec.test_cli_first_use import stubbed_gguf  # noqa: F401  (fixture)
 from treespec.sampling import MIN_TEMPERATURE, SamplingConfig, logits_to_probs
 
 
@@ -77,6 +78,9 @@ def test_tiny_temperature_and_top_p_are_handled():
      f"asks for 266304 draft nodes; the limit is {MAX_TREE_NODES}"),
     (["--exact", "--dtype", "bfloat16"], "--exact needs float32"),
     (["--temperature", "1e-40"], "temperature must be 0 (greedy) or >="),
+    (["--threads", "1000000"], "--threads 1000000: this process may run on"),
+    (["--seed", "-1"], "seed must be None or an integer in [0, 2**64 - 1]"),
+    (["--seed", str(2**64)], "seed must be None or an integer in [0, 2**64 - 1]"),
 ])
 def test_cli_refuses_before_loading(capsys, argv, match):
     start = time.perf_counter()
@@ -347,3 +351,196 @@ def test_target_auto_picks_the_engine_measured_fastest(monkeypatch):
     monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: "not installed")
     assert target() == "embedded"
     assert (Path(__file__).resolve().parents[2] / AUTO_TARGET_EVIDENCE).is_dir()
+
+
+# ---------------------------------------------------------------------- failures outside the argument checks
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "error:" in line]
+
+
+def test_threads_are_bounded_by_the_usable_cores(capsys):
+    from treespec.cli import usable_cores
+
+    cores = usable_cores()
+    assert 1 <= cores <= (__import__("os").cpu_count() or 1)
+    assert_refused(capsys, "hello", "--threads", str(cores + 1), match=f"use at most {cores}")
+
+
+def test_disk_full_during_the_embedded_conversion_is_named(stubbed_gguf, capsys, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (neither OSError nor ValueError): it escaped
+    as a traceback. Now one named line, status 2, and nothing left in the cache."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def disk_full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_model", disk_full)
+    code, out, err = run_cli(capsys, "w1 w2", "--draft", "ngram", "--dtype", "float32", "--max-new-tokens", "2")
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert len(_error_lines(err)) == 1, err
+    assert "CacheError" in err and "No space left on device" in err and "free disk space" in err, err
+    root = stubbed_gguf.parent
+    assert not stubbed_gguf.exists()
+    assert [p.name for p in root.iterdir() if p.name.startswith(".gemma-3-270m-") and p.is_dir()] == []
+
+
+@pytest.fixture
+def pickled_model_dir(tmp_path, tiny_dir):  # noqa: F811
+    """A model folder as older tools save it: config, tokenizer and a pickled pytorch_model.bin whose loading
+    would create a marker file (no safetensors)."""
+    import os
+    import shutil
+
+    folder = tmp_path / "pickled-model"
+    folder.mkdir()
+    for item in __import__("pathlib").Path(tiny_dir).iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, folder / item.name)
+    marker = tmp_path / "PAYLOAD-RAN"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model.embed_tokens.weight": Payload()}, folder / "pytorch_model.bin")
+    return folder, marker
+
+
+def test_pickled_model_folder_is_named_and_never_unpickled(pickled_model_dir, capsys):
+    """transformers refused the pickle (weights_only) with an UnpicklingError traceback; now a named error says
+    that only safetensors are read, for a target and a draft model, and the payload never runs."""
+    from treespec.models.loading import PickledWeightsError, load_model
+
+    folder, marker = pickled_model_dir
+    with pytest.raises(PickledWeightsError, match=r"pytorch_model.bin\) and were not loaded: treespec reads only "
+                                                  r"safetensors"):
+        load_model(str(folder))
+    err = assert_refused(capsys, "w1 w2", "--target", str(folder), "--plain", "--max-new-tokens", "2",
+                         match="PickledWeightsError")
+    assert "reads only safetensors weights" in err and len(_error_lines(err)) == 1
+    assert not marker.exists()
+
+
+def test_pickled_draft_model_folder_is_named(pickled_model_dir, tiny_dir, capsys):  # noqa: F811
+    folder, marker = pickled_model_dir
+    assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--draft", str(folder), "--max-new-tokens", "2",
+                   match="reads only safetensors weights")
+    assert not marker.exists()
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every socket connection and name lookup fails at once (a machine offline); the hub is not switched off."""
+    import socket
+
+    import huggingface_hub.constants
+
+    def blocked(*args, **kwargs):
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(socket, "create_connection", blocked)
+    monkeypatch.setattr(socket, "getaddrinfo", blocked)
+    monkeypatch.setattr(socket.socket, "connect", blocked)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_unreachable_hub_id_fails_at_once(no_network, tiny_dir, capsys, flag):  # noqa: F811
+    """A hub id that is no local folder and not cached, with the network down: transformers retried for about
+    a minute before its OSError; now a named error within seconds."""
+    argv = ["--target", "treespec-tests/no-such-model"] if flag == "--target" else \
+        ["--target", tiny_dir, "--draft", "treespec-tests/no-such-draft"]
+    start = time.perf_counter()
+    err = assert_refused(capsys, "w1 w2", *argv, "--max-new-tokens", "2", match="cannot be reached")
+    assert time.perf_counter() - start < 5, err
+    assert f"{flag} treespec-tests/no-such-" in err and "network blocked by the test" in err
+
+
+def test_hub_id_with_hub_off_fails_at_once(no_network, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    assert_refused(capsys, "w1 w2", "--target", "treespec-tests/no-such-model", match="the hub is off (HF_HUB_OFFLINE)")
+    assert time.perf_counter() - start < 5
+
+
+def test_hub_probe_times_out(monkeypatch):
+    """A resolver or connection that hangs costs the probe's timeout, not a minute."""
+    import socket
+
+    from treespec import cli
+
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: time.sleep(30))
+    start = time.perf_counter()
+    assert "no answer" in cli._hub_reachable(timeout=0.5)
+    assert time.perf_counter() - start < 2
+
+
+def _treespec_lines(err: str) -> list[str]:
+    """The lines treespec printed (transformers may draw a progress bar while a model loads)."""
+    return [line for line in err.splitlines() if line.startswith("treespec")]
+
+
+def _interrupting_generate(monkeypatch, after: int = 3) -> None:
+    """generate() as the CLI calls it, with Ctrl-C arriving once ``after`` tokens have been emitted."""
+    from treespec import cli
+
+    real = cli.generate
+
+    def generate(*args, callback=None, **kwargs):
+        seen = []
+
+        def step(new_ids):
+            if callback is not None:
+                callback(new_ids)
+            seen.extend(new_ids)
+            if len(seen) >= after:
+                raise KeyboardInterrupt
+
+        return real(*args, callback=step, **kwargs)
+
+    monkeypatch.setattr(cli, "generate", generate)
+
+
+@pytest.mark.parametrize("json_mode", [True, False])
+def test_ctrl_c_ends_with_one_line_and_status_130(tiny_dir, capsys, monkeypatch, json_mode):  # noqa: F811
+    """Ctrl-C printed a KeyboardInterrupt traceback, and --json printed nothing. Now one line on stderr, status
+    130, and with --json a JSON document marked "interrupted" with the tokens generated so far."""
+    _interrupting_generate(monkeypatch)
+    argv = ["generate", "w1 w2 w3", "--target", tiny_dir, "--max-new-tokens", "40", "--no-stop", "--plain",
+            "--threads", "1", *(["--json"] if json_mode else [])]
+    try:
+        code = cli_main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped as a KeyboardInterrupt")
+    out, err = capsys.readouterr()
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert _treespec_lines(err) == ["treespec: interrupted (Ctrl-C) after 3 generated tokens"], err
+    if json_mode:
+        doc = json.loads(out)  # the whole of stdout is one JSON document
+        assert doc["interrupted"] is True and len(doc["token_ids"]) == 3
+        assert all(0 <= t < 64 for t in doc["token_ids"]) and isinstance(doc["text"], str)
+        assert doc["prompt_ids"] and doc["statistics"]["new_tokens"] == 3
+    else:
+        assert out.startswith("w1 w2 w3") and out.endswith("\n"), out
+
+
+def test_ctrl_c_while_loading_with_json(tiny_dir, capsys, monkeypatch):  # noqa: F811
+    import treespec.models.loading as loading
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loading, "load_model", interrupted)
+    try:
+        code = cli_main(["generate", "w1 w2", "--target", tiny_dir, "--json", "--threads", "1"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped as a KeyboardInterrupt")
+    out, err = capsys.readouterr()
+    assert code == 130 and json.loads(out) == {"interrupted": True, "text": "", "token_ids": [], "prompt_ids": None,
+                                               "statistics": {"new_tokens": 0}}
+    assert _treespec_lines(err) == ["treespec: interrupted (Ctrl-C) after 0 generated tokens"], err

@@ -7,7 +7,8 @@
 * bad input (missing / garbage / truncated files, non-UTF-8 prompts, bad numbers) ends with one
   line on stderr and exit status 2, no traceback;
 * the eval-set guard checks content: a renamed copy of an eval file, or one eval prompt mixed into
-  train prompts, is refused.
+  train prompts, is refused, also with its case, whitespace or punctuation changed, a character added, removed
+  or changed, or inside a longer prompt; the shipped train prompts pass.
 """
 
 from __future__ import annotations
@@ -299,6 +300,79 @@ def test_one_eval_prompt_mixed_into_train_prompts_is_refused(tmp_path, eval_file
     assert check_not_eval(clean) == clean.resolve()
 
 
+EVAL_LIKE = ["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+             "Who is the coach of the university of Kentucky basketball team?",
+             "def fib(n: int):\n    \"\"\"Return the n-th Fibonacci number.\n    >>> fib(10)\n    55\n    \"\"\"\n"]
+
+
+def _edited(prompt: str, edit: str) -> str:
+    middle = len(prompt) // 2
+    return {"one character added": prompt[:middle] + "x" + prompt[middle:],
+            "one character removed": prompt[:middle] + prompt[middle + 1:],
+            "one character changed": prompt[:middle] + ("Q" if prompt[middle] != "Q" else "Z") + prompt[middle + 1:],
+            "case changed": prompt.swapcase(),
+            "upper case": prompt.upper(),
+            "punctuation changed": prompt.replace(".", "!").replace(",", ";").replace("?", ".") + " ...",
+            "punctuation removed": "".join(ch for ch in prompt if ch.isalnum() or ch.isspace()),
+            "inside a longer prompt": "Answer the question below, briefly. " + prompt + " Give one sentence."}[edit]
+
+
+EDITS = ["one character added", "one character removed", "one character changed", "case changed", "upper case",
+         "punctuation changed", "punctuation removed", "inside a longer prompt"]
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_eval_index_refuses_edited_copies(edit):
+    """The guard matches on case-folded text without whitespace or punctuation, and on near-duplicates
+    (a few character edits, or the eval prompt inside a longer one); before it compared whitespace-normalised
+    text only, so every one of these edits slipped through."""
+    from treespec.distill.corpus import EvalIndex
+
+    index = EvalIndex([(f"row {i + 1}", p) for i, p in enumerate(EVAL_LIKE)])
+    for i, prompt in enumerate(EVAL_LIKE):
+        found = index.match(_edited(prompt, edit))
+        assert found is not None and found[1] == f"row {i + 1}", (edit, prompt, found)
+
+
+def test_eval_index_accepts_different_prompts():
+    from treespec.distill.corpus import EvalIndex
+
+    index = EvalIndex([(f"row {i + 1}", p) for i, p in enumerate(EVAL_LIKE)])
+    different = ["Compose an engaging travel blog post about a recent trip to Japan, highlighting the food.",
+                 "Who is the coach of the university of Michigan football team?",
+                 "def fact(n: int):\n    \"\"\"Return n factorial.\"\"\"\n", "Who?", "Compose", "...", "",
+                 *PROMPTS]
+    for prompt in different:
+        assert index.match(prompt) is None, prompt
+
+
+@needs_shared
+@pytest.mark.parametrize("edit", ["one character added", "case changed", "punctuation changed"])
+def test_edited_eval_prompt_mixed_into_train_prompts_is_refused(tmp_path, edit):
+    rows = [json.loads(x) for x in (shared_dir() / "data" / "eval" / "spec_bench.prompts.jsonl").read_text()
+            .splitlines() if x.strip()]
+    row = len(rows) // 3
+    mixed = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:2] + [_edited(rows[row]["prompt"], edit)] + PROMPTS[2:])
+    where = f"spec_bench.prompts.jsonl row {row + 1}"
+    with pytest.raises(DistillInputError, match=f"prompt 3 is .*evaluation set .*{where}"):
+        check_not_eval(mixed)
+
+
+@pytest.mark.skipif(not (shared_dir() / "data" / "train" / "train_prompts.jsonl").exists(),
+                    reason="the shared train prompts are not present")
+def test_shipped_train_prompts_are_not_taken_for_eval_prompts(tmp_path):
+    """No false positive on a sample of the shipped train prompts (the whole file, 12,141 prompts, passes too:
+    about 6 s on 2 cores)."""
+    import time
+
+    lines = (shared_dir() / "data" / "train" / "train_prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("\n".join(lines[::10]) + "\n", encoding="utf-8")
+    start = time.perf_counter()
+    assert check_not_eval(sample) == sample.resolve()
+    assert time.perf_counter() - start < 20
+
+
 # ---------------------------------------------------------------------- targets and caches
 def test_bad_target_is_one_line_and_status_2(model_dir, tmp_path, capsys):
     """A missing --target directory is refused before anything is read; an existing folder that holds
@@ -375,3 +449,149 @@ def test_build_corpus_from_stored_continuations_by_command_line(model_dir, tmp_p
     assert code == 2 and "--continuation" in err
     code, _, err = run_cli([*common[:-4], "--continuations", tmp_path, "--out", tmp_path / "c4"], capsys)
     assert code == 2 and "no continuation manifest" in err
+
+
+# ---------------------------------------------------------------------- damaged resume files
+def _tiny_args(model_dir: Path) -> list:
+    return ["--target", model_dir, "--dtype", "float32", "--no-progress"]
+
+
+_TRAIN_OPTS = ["--steps", 6, "--batch-size", 2, "--seq-len", 16, "--vocab-size", 64, "--intermediate-size", 32,
+               "--num-heads", 4, "--ckpt-every", 3]
+
+
+@pytest.fixture(scope="module")
+def resumable(model_dir, tmp_path_factory) -> dict[str, Path]:
+    """A finished corpus, head run (checkpoints at steps 3 and 6) and Medusa run, made once for the module;
+    each case edits a copy."""
+    tmp = tmp_path_factory.mktemp("resumable")
+    p = write_prompts(tmp / "train.jsonl", PROMPTS)
+    corpus, run, medusa = tmp / "corpus", tmp / "run", tmp / "medusa"
+    m = _tiny_args(model_dir)
+    with torch.enable_grad():
+        main([str(a) for a in ["build-corpus", *m, "--prompts", p, "--out", corpus, "--max-len", 40, "--topk", 4,
+                               "--shard-positions", 100, "--batch-size", 2]])
+        main([str(a) for a in ["train", *m, "--corpus", corpus, "--run-dir", run, *_TRAIN_OPTS]])
+        main([str(a) for a in ["medusa", *m, "--corpus", corpus, "--run-dir", medusa, "--steps", 2, "--batch-size", 8,
+                               "--ckpt-every", 1]])
+    assert (run / "ckpt-6.pt").is_file() and (medusa / "medusa-ckpt.pt").is_file()
+    return {"prompts": p, "corpus": corpus, "run": run, "medusa": medusa}
+
+
+
+def _edit_manifest(folder: Path, edit) -> None:
+    path = folder / "manifest.json"
+    man = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(man)))
+
+
+def _edit_checkpoint(path: Path, edit) -> None:
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+
+
+def _first_shard(folder: Path) -> Path:
+    return folder / json.loads((folder / "manifest.json").read_text())["shards"][0]["file"]
+
+
+def _outside_copy(folder: Path, tmp: Path) -> Path:
+    """A readable shard outside the corpus folder (so that reading it would succeed if it were allowed)."""
+    (tmp / "elsewhere").mkdir(exist_ok=True)
+    out = tmp / "elsewhere" / "shard.safetensors"
+    out.write_bytes(_first_shard(folder).read_bytes())
+    return out
+
+
+def _set_shard_file(value):
+    def edit(man: dict) -> dict:
+        man["shards"][0]["file"] = value
+        return man
+    return edit
+
+
+# name: (what is damaged, edit(paths, tmp), command: "train" | "resume" | "build" | "export" | "medusa", expected)
+DAMAGED = {
+    "manifest is a list": ("corpus", lambda c, t: (c / "manifest.json").write_text("[1, 2]"), "train",
+                           "corpus manifest"),
+    "manifest without fingerprint": ("corpus", lambda c, t: _edit_manifest(c, lambda m: {
+        k: v for k, v in m.items() if k != "fingerprint"}), "build", "fingerprint"),
+    "shards not a list": ("corpus", lambda c, t: _edit_manifest(c, lambda m: {**m, "shards": {"a": 1}}), "train",
+                          "shards"),
+    "shard entry without file": ("corpus", lambda c, t: _edit_manifest(c, lambda m: {
+        **m, "shards": [{k: v for k, v in sh.items() if k != "file"} for sh in m["shards"]]}), "train", "file"),
+    "shard path absolute": ("corpus", lambda c, t: _edit_manifest(c, _set_shard_file(str(_outside_copy(c, t)))),
+                            "train", "outside"),
+    "shard path escapes with ..": ("corpus", lambda c, t: _edit_manifest(
+        c, _set_shard_file(f"../elsewhere/{_outside_copy(c, t).name}")), "train", "outside"),
+    "shard truncated": ("corpus", lambda c, t: _first_shard(c).write_bytes(
+        _first_shard(c).read_bytes()[: _first_shard(c).stat().st_size // 2]), "train", "shard"),
+    "shard missing": ("corpus", lambda c, t: _first_shard(c).unlink(), "train", "shard"),
+    "zero positions": ("corpus", lambda c, t: _edit_manifest(c, lambda m: {
+        **m, "shards": [{**sh, "positions": 0} for sh in m["shards"]]}), "train", "positions"),
+    "non-numeric step": ("run", lambda r, t: _edit_checkpoint(r / "ckpt-6.pt", lambda s: s.update(step="six")),
+                         "resume", "step"),
+    "garbage RNG state": ("run", lambda r, t: _edit_checkpoint(
+        r / "ckpt-6.pt", lambda s: s.update(rng=torch.tensor([7, 1, 2], dtype=torch.uint8))), "resume", "rng"),
+    "empty newest checkpoint (export)": ("run", lambda r, t: (r / "ckpt-99.pt").write_bytes(b""), "export",
+                                         "ckpt-99.pt"),
+    "empty newest checkpoint (train)": ("run", lambda r, t: (r / "ckpt-99.pt").write_bytes(b""), "resume",
+                                        "ckpt-99.pt"),
+    "medusa checkpoint without history": ("medusa", lambda d, t: _edit_checkpoint(
+        d / "medusa-ckpt.pt", lambda s: s.pop("history")), "medusa", "history"),
+}
+
+
+def _run_catching(argv: list, capsys) -> tuple[int, str]:
+    """``main(argv)`` in-process: (exit status, stderr); an escaping exception is a traceback (status 1)."""
+    import traceback
+
+    try:
+        code, _, err = run_cli(argv, capsys)
+    except Exception:  # noqa: BLE001 - what the user would have seen
+        return 1, capsys.readouterr().err + "Traceback (most recent call last):\n" + traceback.format_exc()
+    return code, err
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_damaged_resume_file_is_one_named_error(resumable, model_dir, tmp_path, capsys, case):
+    """Each damaged corpus manifest, shard, checkpoint or RNG state: one ``error:`` line naming the problem,
+    exit status 2, no traceback; a shard path outside its corpus folder is refused, not opened."""
+    import shutil
+
+    what, edit, command, expected = DAMAGED[case]
+    work = {k: tmp_path / k for k in ("corpus", "run", "medusa")}
+    for k, dest in work.items():
+        shutil.copytree(resumable[k], dest)
+    edit(work[what], tmp_path)
+    m = _tiny_args(model_dir)
+    argv = {
+        "train": ["train", *m, "--corpus", work["corpus"], "--run-dir", tmp_path / "fresh-run", *_TRAIN_OPTS],
+        "resume": ["train", *m, "--corpus", work["corpus"], "--run-dir", work["run"],
+                   "--steps", 8, *_TRAIN_OPTS[2:]],  # resumes from ckpt-6.pt
+        "build": ["build-corpus", *m, "--prompts", resumable["prompts"], "--out", work["corpus"], "--max-len", 40,
+                  "--topk", 4, "--shard-positions", 100, "--batch-size", 2],
+        "export": ["export", "--run-dir", work["run"], "--out", tmp_path / "x.safetensors"],
+        "medusa": ["medusa", *m, "--corpus", work["corpus"], "--run-dir", work["medusa"], "--steps", 2,
+                   "--batch-size", 8, "--ckpt-every", 1],
+    }[command]
+    code, err = _run_catching(argv, capsys)
+    lines = err.strip().splitlines()  # the model loader's progress bar may come first
+    assert code == 2 and sum("error:" in line for line in lines) == 1 and "Traceback" not in err, \
+        f"status {code}: {err[-1500:]}"
+    assert lines[-1].startswith(f"python -m treespec.distill {argv[0]}: error: ") and expected in lines[-1], lines[-1]
+
+
+def test_empty_newest_checkpoint_by_command_line(resumable, tmp_path):
+    """The real command line: an empty newest checkpoint is one error line, exit status 2."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(resumable["run"], run)
+    (run / "ckpt-99.pt").write_bytes(b"")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREESPEC_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "treespec.distill", "export", "--run-dir", str(run),
+                           "--out", str(tmp_path / "x.safetensors")], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "ckpt-99.pt" in proc.stderr, proc.stderr

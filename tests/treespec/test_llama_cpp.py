@@ -87,6 +87,38 @@ def test_hidden_capture_equals_embeddings_output(runner):
     assert outs[1][0].shape == (len(prefix), runner.hidden_size)
 
 
+@pytest.mark.parametrize("capture_hidden", [False, True])
+def test_rows_pass_returns_the_rows_of_the_full_pass(runner, capture_hidden):
+    """``rows`` (the verified nodes): llama.cpp outputs those tokens alone, with the logits and hidden states
+    the full pass gives them; in both ways of reading hidden states (embeddings output, graph capture)."""
+    r = LlamaCppRunner(runner.path, context=256, threads=1, capture_hidden=True) if capture_hidden else runner
+    prefix = torch.tensor([1, 6, 7, 8, 9, 10])
+    tree = tree_of(6, 4, runner.vocab_size)
+    rows = tree.verified_nodes
+    outs = []
+    for picked in (None, rows):
+        r.reset()
+        r.forward(None, None, prefix, need_logits=False)
+        outs.append(r.forward(tree, torch.arange(tree.num_nodes), need_hidden=True, rows=picked))
+        r.commit([0])
+    if capture_hidden:
+        r.close()
+    full, part = outs
+    assert part["logits"].shape == (rows.numel(), runner.vocab_size) and rows.numel() < tree.num_nodes
+    torch.testing.assert_close(part["logits"], full["logits"][rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(part["hidden"], full["hidden"][rows], atol=1e-3, rtol=0)
+
+
+def test_rows_are_checked(runner):
+    runner.reset()
+    runner.forward(None, None, torch.tensor([1, 5, 6]), need_logits=False)
+    tree = tree_of(3, 1, runner.vocab_size)
+    for bad in ([2, 1], [0, 0], [0, tree.num_nodes]):
+        with pytest.raises(ValueError, match="rows must be ascending"):
+            runner.forward(tree, torch.arange(tree.num_nodes), rows=torch.tensor(bad))
+    assert runner.slots == [] and runner.cache_length == 3  # refused before any decode
+
+
 def test_broken_tree_encoding_is_caught(runner, monkeypatch):
     """The twin: a tree pass whose nodes carry every path id (so each sees its cousins) must fail the
     comparison above."""
@@ -164,6 +196,10 @@ def test_greedy_identity_with_own_plain_decoding(runner):
     assert spec.token_ids == plain.token_ids
     assert spec.target_calls < plain.target_calls  # the trees were accepted somewhere
     assert math.isclose(plain.tau, 1.0)
+    lean = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False, leaf_logits=False)
+    spec = generate(runner, prompt, NgramDrafter(NgramConfig(min_ngram=1, depth=4, branches=3)), lean)
+    assert spec.token_ids == plain.token_ids  # the target's rows of the verified nodes alone
+    assert spec.target_calls < plain.target_calls
 
 
 # ---------------------------------------------------------------------------------------------- exact law
@@ -199,19 +235,22 @@ def runner_law(runner: LlamaCppRunner, sampling: SamplingConfig) -> dict[tuple[i
     return law
 
 
-def law_counts(runner, make_drafter, verifier: str, sampling: SamplingConfig) -> dict:
+def law_counts(runner, make_drafter, verifier: str, sampling: SamplingConfig, leaf_logits: bool = True) -> dict:
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(N):
-        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, seed=seed, stop_on_eos=False, verifier=verifier)
+        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, seed=seed, stop_on_eos=False, verifier=verifier,
+                               leaf_logits=leaf_logits)
         key = tuple(generate(runner, PROMPT, make_drafter(), cfg).token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
 
 
-LAW_CASES = {  # verifier: (per-depth widths, draft law, sampling)
+LAW_CASES = {  # case: (per-depth widths, draft law, sampling)
     "rrs": ((3, 2), "iid", SamplingConfig(1.0)),
     "rrs_without_replacement": ((3, 2), "without_replacement", SamplingConfig(0.8, top_p=0.9)),
     "greedy_draft": ((3, 2), "greedy_draft", SamplingConfig(1.0)),
+    # the target's rows of the verified nodes alone (GenerationConfig(leaf_logits=False))
+    "rrs_no_leaf_rows": ((3, 2), "iid", SamplingConfig(1.0)),
 }
 
 
@@ -225,7 +264,9 @@ def test_first_three_tokens_follow_target_law(law_setup, case):
 
     target, draft = law_setup
     widths, law, sampling = LAW_CASES[case]
-    counts = law_counts(target, lambda: ShapeDrafter(draft, TreeShape.widths(widths), law), case, sampling)
+    verifier = case.removesuffix("_no_leaf_rows")
+    counts = law_counts(target, lambda: ShapeDrafter(draft, TreeShape.widths(widths), law), verifier, sampling,
+                        leaf_logits=not case.endswith("_no_leaf_rows"))
     p_value = g_test_law(counts, runner_law(target, sampling), N)
     assert p_value > ALPHA, f"{case} on llama.cpp: output law differs from the target's (G-test p = {p_value:.2e})"
 
@@ -267,6 +308,34 @@ def test_cli_generates_on_a_gguf_target(arch, tmp_path, capsys):
     stats = out["statistics"]
     assert stats["runner"] == "llama.cpp" and stats["method"] == "NgramDrafter"
     assert len(out["token_ids"]) == 12
+
+
+def test_cli_leaf_logits_keeps_the_greedy_output(tmp_path, capsys, monkeypatch):
+    """``--leaf-logits off`` / ``on`` / ``auto`` give the same greedy tokens; the option reaches the engine (a
+    spy on the runner's ``rows``), ``auto`` follows :data:`treespec.drafters.DEFAULT_LEAF_LOGITS`."""
+    import json
+
+    from treespec import drafters
+    from treespec.cli import main
+
+    path = tiny_gguf(tmp_path / "llama.gguf", "llama", vocab_size=300, seed=2, logit_scale=4.0)
+    forward, asked = LlamaCppRunner.forward, []
+
+    def spy(self, tree, nodes, chain=None, **kw):
+        if tree is not None:
+            asked.append(kw.get("rows") is not None)
+        return forward(self, tree, nodes, chain, **kw)
+
+    monkeypatch.setattr(LlamaCppRunner, "forward", spy)
+    outs = {}
+    for value in ("on", "off", "auto"):
+        asked.clear()
+        assert main(["generate", "abab abab abab", "--target", str(path), "--max-new-tokens", "12", "--draft",
+                     "ngram", "--no-stop", "--json", "--threads", "1", "--leaf-logits", value]) == 0
+        outs[value] = json.loads(capsys.readouterr().out)["token_ids"]
+        expected = {"on": True, "off": False, "auto": drafters.default_leaf_logits(str(path))}[value]
+        assert any(asked) != expected, value  # rows asked for on some pass exactly when leaf logits are off
+    assert outs["on"] == outs["off"] == outs["auto"]
 
 
 @pytest.mark.parametrize("argv, message", [

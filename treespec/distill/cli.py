@@ -194,7 +194,7 @@ def _check_target(args) -> None:
 
 def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
     """``build-corpus --continuations DIR``: stage 2 of a corpus (see ``build_corpus_from_continuations``)."""
-    from .continuations import MANIFEST, continuation_sequences
+    from .continuations import MANIFEST, continuation_sequences, load_continuation_manifest
     from .corpus import build_corpus_from_continuations, read_prompts
 
     folder = Path(args.continuations)
@@ -204,7 +204,9 @@ def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
     if args.continuation != "none" or args.max_prompts is not None:
         raise DistillInputError("--continuations takes its prompts and continuations from the folder: "
                                 "drop --continuation / --max-prompts")
-    source = json.loads(mpath.read_text()).get("source", {})
+    source = load_continuation_manifest(folder).get("source", {})
+    if not isinstance(source, dict):
+        raise DistillInputError(f"--continuations {folder}: its manifest's 'source' must be a JSON object")
     rows_arg = args.rows or source.get("rows")
     if rows_arg is None:
         raise DistillInputError(f"--continuations {folder}: its manifest does not record the prompt rows; "

@@ -28,6 +28,7 @@ import torch
 
 from ..files import atomic_write_json, remove_stale_temporaries
 from ..sampling import draw, first_argmax
+from .inputs import DistillInputError, read_json_object, require_count, require_type
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -154,8 +155,8 @@ def build_continuations(model, prompt_ids: list[list[int]], out_dir: str | Path,
     mpath = out / MANIFEST
     n_chunks = -(-len(prompts) // opts.chunk_size)
     if mpath.exists():
-        manifest = json.loads(mpath.read_text())
-        if manifest.get("fingerprint") != fp:
+        manifest = load_continuation_manifest(out)
+        if manifest["fingerprint"] != fp:
             raise ValueError(f"{out} holds continuations of other prompts or options; use another directory")
     else:
         manifest = {"format": FORMAT, "fingerprint": fp, "options": asdict(opts), "model": model_name,
@@ -211,7 +212,7 @@ class StoredContinuations:
 
     def chunk(self, c: int) -> tuple[list[list[int]], list[int]]:
         """Sequences ``prompt + continuation`` of chunk ``c`` and the first generated position of each."""
-        rows = json.loads((self.folder / f"chunk-{c:05d}.json").read_text())["rows"]
+        rows = read_chunk_rows(self.folder, c, len(self.prompts))
         seqs, gen_start = [], []
         for r in rows:
             prompt = self.prompts[r["index"]]
@@ -235,8 +236,11 @@ def continuation_sequences(out_dir: str | Path, prompt_ids: list[list[int]]) -> 
     mpath = out / MANIFEST
     if not mpath.is_file():
         raise ValueError(f"{out}: no continuation manifest ({MANIFEST})")
-    manifest = json.loads(mpath.read_text())
-    opts = ContinuationOptions(**manifest["options"])
+    manifest = load_continuation_manifest(out)
+    try:
+        opts = ContinuationOptions(**manifest["options"])
+    except (TypeError, ValueError) as err:
+        raise DistillInputError(f"continuation manifest {mpath}: damaged options ({err})") from None
     prompts = [list(map(int, p))[-opts.max_prompt_tokens:] for p in prompt_ids]
     if _fingerprint(prompts, opts, manifest.get("model", "")) != manifest["fingerprint"]:
         raise ValueError(f"{out}: these continuations were generated from other prompts (another prompt file, "
@@ -248,10 +252,46 @@ def continuation_sequences(out_dir: str | Path, prompt_ids: list[list[int]]) -> 
 def read_continuations(out_dir: str | Path) -> list[dict]:
     """Every stored row ``{"index", "prompt_tokens", "continuation"}`` of a continuation folder, by index."""
     out = Path(out_dir)
+    manifest = load_continuation_manifest(out)
     rows = []
-    for c in json.loads((out / MANIFEST).read_text())["chunks_done"]:
-        rows.extend(json.loads((out / f"chunk-{c:05d}.json").read_text())["rows"])
+    for c in manifest["chunks_done"]:
+        rows.extend(read_chunk_rows(out, c, manifest["num_prompts"]))
     return sorted(rows, key=lambda r: r["index"])
+
+
+def load_continuation_manifest(out_dir: str | Path) -> dict:
+    """The manifest of a continuation folder, checked: a damaged file or a missing / mistyped entry
+    (``chunks_done`` must list chunk numbers below ``num_chunks``) is a :class:`.inputs.DistillInputError`."""
+    path = Path(out_dir) / MANIFEST
+    man = read_json_object(path, "continuation manifest")
+    where = f"continuation manifest {path}"
+    require_type(man, "fingerprint", str, where)
+    require_type(man, "options", dict, where)
+    require_type(man, "complete", bool, where)
+    require_count(man, "num_prompts", where)
+    chunks = require_count(man, "num_chunks", where)
+    for c in require_type(man, "chunks_done", list, where):
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < chunks:
+            raise DistillInputError(f"{where}: chunks_done holds {c!r}, not a chunk number below {chunks}")
+    return man
+
+
+def read_chunk_rows(folder: Path, c: int, num_prompts: int) -> list[dict]:
+    """The rows ``{"index", "prompt_tokens", "continuation"}`` of chunk ``c``, checked (indices below
+    ``num_prompts``, counts and token ids non-negative integers)."""
+    path = folder / f"chunk-{c:05d}.json"
+    rows = require_type(read_json_object(path, "continuation chunk"), "rows", list, f"continuation chunk {path}")
+    for n, r in enumerate(rows):
+        at = f"continuation chunk {path}, row {n}"
+        if not isinstance(r, dict):
+            raise DistillInputError(f"{at}: expected a JSON object")
+        if require_count(r, "index", at) >= num_prompts:
+            raise DistillInputError(f"{at}: index {r['index']} beyond the {num_prompts} prompts")
+        require_count(r, "prompt_tokens", at)
+        cont = require_type(r, "continuation", list, at)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in cont):
+            raise DistillInputError(f"{at}: the continuation holds something other than token ids")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,9 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     out = (Path(args.out) if args.out else cache_root() / "distill" / "continuations") / args.name
     limit = None if args.time_limit is None else args.time_limit * 60
-    manifest = build_continuations(model, prompt_ids, out, opts, eos=eos_token_ids(model),
-                                   model_name="embedded:gemma-3-270m", time_limit_s=limit,
-                                   source={"prompts": path.name, "rows": args.rows, "order_seed": 0})
+    try:
+        manifest = build_continuations(model, prompt_ids, out, opts, eos=eos_token_ids(model),
+                                       model_name="embedded:gemma-3-270m", time_limit_s=limit,
+                                       source={"prompts": path.name, "rows": args.rows, "order_seed": 0})
+    except ValueError as err:  # a damaged folder, or one of another recipe
+        print(f"treespec.distill.continuations: error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps({k: manifest[k] for k in ("num_prompts", "num_chunks", "generated_tokens", "seconds",
                                                "complete")} | {"chunks_done": len(manifest["chunks_done"]),
                                                                "dir": str(out)}))

@@ -27,15 +27,20 @@ import hashlib
 import json
 import os
 import random
+import re
 import time
+import unicodedata
+from collections import Counter
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import torch
 
 from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
 from ..models.features import check_feature_layers, model_features, normalise_feature_layers, num_decoder_layers
-from .inputs import DistillInputError, require_dir, require_file
+from .inputs import (DistillInputError, contained_path, first_line, read_json_object, require_count, require_dir,
+                     require_file, require_number, require_type)
 
 MANIFEST = "manifest.json"
 CORPUS_FORMAT = 1
@@ -57,6 +62,125 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
+def compact_text(text: str) -> str:
+    """What the eval-set guard compares: ``text`` in Unicode NFKC form, case-folded, with every character that
+    is not a letter or a digit (a regex word character other than ``_``) dropped: whitespace and punctuation do
+    not tell two prompts apart."""
+    return _NOT_ALNUM.sub("", unicodedata.normalize("NFKC", text).casefold())
+
+
+_NOT_ALNUM = re.compile(r"[\W_]+")
+
+
+#: character n-gram length of the near-duplicate index (one edit changes at most this many n-grams)
+GRAM = 7
+#: near-duplicates: texts whose n-gram sets have a Jaccard similarity of at least this
+NEAR_JACCARD = 0.8
+#: containment: a text of at least this many compact characters with this share of its n-grams in the other
+CONTAINED_CHARS, CONTAINED_SHARE = 40, 0.9
+#: texts up to this many compact characters are compared by edit distance too: at most
+#: max(1, length // EDIT_PER) edits (insertions, deletions, substitutions) make a near-duplicate
+EDIT_CHARS, EDIT_PER = 400, 20
+
+
+def _grams(text: str) -> set[str]:
+    if len(text) <= GRAM:
+        return {text}
+    return {text[i:i + GRAM] for i in range(len(text) - GRAM + 1)}
+
+
+def _within_edits(a: str, b: str, limit: int) -> bool:
+    """Whether the Levenshtein distance of ``a`` and ``b`` is at most ``limit`` (a band of the DP table:
+    O(len * limit))."""
+    if abs(len(a) - len(b)) > limit:
+        return False
+    if len(a) > len(b):
+        a, b = b, a
+    big = limit + 1
+    prev = {j: j for j in range(0, min(len(b), limit) + 1)}
+    for i in range(1, len(a) + 1):
+        lo, hi = max(0, i - limit), min(len(b), i + limit)
+        row = {}
+        for j in range(lo, hi + 1):
+            if j == 0:
+                row[j] = i
+                continue
+            cost = prev.get(j - 1, big) + (a[i - 1] != b[j - 1])
+            row[j] = min(cost, prev.get(j, big) + 1, row.get(j - 1, big) + 1)
+        if min(row.values()) > limit:
+            return False
+        prev = row
+    return prev.get(len(b), big) <= limit
+
+
+class EvalIndex:
+    """The evaluation prompts, indexed to tell whether a training prompt is one of them or a near-duplicate.
+
+    A prompt matches an eval prompt when their :func:`compact_text` forms (case-folded, Unicode-normalised,
+    letters and digits only) are equal, or when the two are near-duplicates: character :data:`GRAM`-grams with a
+    Jaccard similarity of at least :data:`NEAR_JACCARD`; one contains nearly all n-grams of the other
+    (:data:`CONTAINED_SHARE`, for a contained text of at least :data:`CONTAINED_CHARS` characters); or, for
+    short texts (up to :data:`EDIT_CHARS`), an edit distance of at most one per :data:`EDIT_PER` characters
+    (at least one). Candidates come from an inverted n-gram index, so a check costs the prompt's own n-grams
+    plus exact comparisons with the few eval prompts that share many of them, never all pairs."""
+
+    def __init__(self, prompts: list[tuple[str, str]]) -> None:
+        """``prompts``: (where, text) pairs, ``where`` naming the eval prompt in messages."""
+        self.where: list[str] = []
+        self.texts: list[str] = []
+        self.sizes: list[int] = []
+        self.exact: dict[str, int] = {}
+        self.index: dict[str, list[int]] = {}
+        for where, text in prompts:
+            compact = compact_text(text)
+            if not compact or compact in self.exact:
+                continue
+            i = len(self.texts)
+            self.where.append(where)
+            self.texts.append(compact)
+            self.exact[compact] = i
+            grams = _grams(compact)
+            self.sizes.append(len(grams))
+            for gram in grams:
+                self.index.setdefault(gram, []).append(i)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def match(self, text: str) -> tuple[str, str] | None:
+        """(how, where) when ``text`` is an eval prompt (``how`` = "equal") or a near-duplicate of one, else None."""
+        compact = compact_text(text)
+        if not compact:
+            return None
+        i = self.exact.get(compact)
+        if i is not None:
+            return "equal", self.where[i]
+        grams = _grams(compact)
+        n = len(grams)
+        shared = Counter(chain.from_iterable(map(self.index.__getitem__, grams & self.index.keys())))
+        # the fewest shared n-grams any rule below accepts: edits 0.65 n - 7 (at most one edit per EDIT_PER
+        # characters, each changing at most GRAM n-grams), Jaccard 0.8 n, containment 0.9 of the contained text
+        floor = min(0.65 * n - GRAM, CONTAINED_SHARE * (CONTAINED_CHARS - GRAM + 1))
+        for i, common in sorted(((i, c) for i, c in shared.items() if c >= floor), key=lambda ic: -ic[1]):
+            m = self.sizes[i]
+            if common / (n + m - common) >= NEAR_JACCARD:
+                return "near-duplicate", self.where[i]
+            other = self.texts[i]
+            smaller = len(compact) if n <= m else len(other)
+            if smaller >= CONTAINED_CHARS and common >= CONTAINED_SHARE * min(n, m):
+                return "contained" if n <= m else "containing", self.where[i]
+            longest = max(len(compact), len(other))
+            if longest <= EDIT_CHARS:
+                limit = max(1, longest // EDIT_PER)
+                # one edit changes at most GRAM n-grams of each text: fewer shared n-grams rule the pair out
+                if common >= max(n, m) - GRAM * limit and _within_edits(compact, other, limit):
+                    return "near-duplicate", self.where[i]
+        return None
+
+
+_EVAL_INDEX: dict[tuple, EvalIndex] = {}
+
+
 def eval_prompts() -> set[str]:
     """Every prompt of the evaluation sets (``<shared>/data/eval``), whitespace-normalised."""
     found: set[str] = set()
@@ -67,24 +191,46 @@ def eval_prompts() -> set[str]:
     return found
 
 
+def eval_index() -> EvalIndex:
+    """:class:`EvalIndex` of the evaluation sets (``<shared>/data/eval``), built once per set of files
+    (keyed by their paths, sizes and modification times)."""
+    paths = [shared_dir() / "data" / "eval" / name for name in EVAL_SETS]
+    key = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.is_file())
+    if key not in _EVAL_INDEX:
+        prompts = [(f"{p.name} row {n}", r["prompt"]) for p in paths if p.is_file()
+                   for n, r in enumerate(_rows(p), 1) if isinstance(r.get("prompt"), str)]
+        _EVAL_INDEX.clear()
+        _EVAL_INDEX[key] = EvalIndex(prompts)
+    return _EVAL_INDEX[key]
+
+
 def check_not_eval(path: str | Path) -> Path:
     """Refuse evaluation data as training input (the eval set is used only to measure).
 
     By location / name (``data/eval``, ``spec_bench``, ``humaneval``, ``eval``) and by content: a
-    file with any prompt equal, up to whitespace, to a prompt of the evaluation sets is refused,
-    whatever it is called.
+    file with any prompt equal to a prompt of the evaluation sets up to case, whitespace and punctuation,
+    or a near-duplicate of one (one character added, a few changed, an eval prompt inside a longer one:
+    :class:`EvalIndex`), is refused, whatever it is called.
     """
     p = Path(path).resolve()
     parts = p.parts
     if any(a == "data" and b == "eval" for a, b in zip(parts, parts[1:])) or "eval" in p.name.lower() \
             or "spec_bench" in p.name or "humaneval" in p.name.lower():
         raise DistillInputError(f"{path}: evaluation data must never be used to build a training corpus")
-    held_out = eval_prompts()
+    index = eval_index()
     for i, row in enumerate(_rows(p)):
-        if isinstance(row.get("prompt"), str) and _normalise(row["prompt"]) in held_out:
-            raise DistillInputError(f"{path}: prompt {i + 1} is a prompt of the evaluation set "
-                                    f"({shared_dir() / 'data' / 'eval'}); evaluation data must never be "
-                                    "used to build a training corpus")
+        if not isinstance(row.get("prompt"), str):
+            continue
+        found = index.match(row["prompt"])
+        if found is None:
+            continue
+        how, where = found
+        what = {"equal": "a prompt of the evaluation set",
+                "near-duplicate": "a near-duplicate of a prompt of the evaluation set",
+                "contained": "contained in a prompt of the evaluation set",
+                "containing": "a prompt containing a prompt of the evaluation set"}[how]
+        raise DistillInputError(f"{path}: prompt {i + 1} is {what} ({shared_dir() / 'data' / 'eval'}, {where}); "
+                                "evaluation data must never be used to build a training corpus")
     return p
 
 
@@ -182,12 +328,62 @@ def _fingerprint(seqs: list[list[int]], opts: CorpusOptions) -> str:
 
 
 def load_manifest(out_dir: str | Path) -> dict:
-    """The manifest of a corpus folder (:class:`DistillInputError` if the folder holds no corpus)."""
-    path = require_file(Path(require_dir(out_dir, "corpus")) / MANIFEST, "corpus manifest")
+    """The manifest of a corpus folder, checked (:class:`DistillInputError` if the folder holds no corpus
+    or a damaged manifest: a missing or mistyped entry, a shard without positions, a shard file named
+    outside the folder)."""
+    path = Path(require_dir(out_dir, "corpus")) / MANIFEST
+    man = read_json_object(path, "corpus manifest")
+    where = f"corpus manifest {path}"
+    require_type(man, "fingerprint", str, where)
+    require_type(man, "options", dict, where)
+    require_type(man, "complete", bool, where)
+    for key in ("vocab_size", "hidden_size"):
+        require_count(man, key, where, low=1)
+    for key in ("positions", "sequences_done"):
+        require_count(man, key, where)
+    require_number(man, "seconds", where)
+    for n, entry in enumerate(require_type(man, "shards", list, where)):
+        at = f"{where}, shard {n}"
+        if not isinstance(entry, dict):
+            raise DistillInputError(f"{at}: expected a JSON object, found {type(entry).__name__}")
+        if contained_path(path.parent, require_type(entry, "file", str, at), at).parent != path.parent:
+            raise DistillInputError(f"{at}: {entry['file']!r} is not a file of the corpus folder itself")
+        require_count(entry, "positions", at, low=1)
+        require_count(entry, "sequences", at, low=1)
+    return man
+
+
+#: the tensors every shard holds (``features`` only in corpora built with feature layers)
+SHARD_TENSORS = ("hidden", "tokens", "topk_ids", "topk_logp", "offsets", "gen_start", "counts")
+
+
+def read_shard(path: Path, names: tuple[str, ...] | list[str], positions: int | None = None) -> dict:
+    """The tensors ``names`` of the corpus shard ``path``, checked: a missing, truncated or damaged file, a
+    missing tensor, or offsets that disagree with the rows (or with the manifest's ``positions``) are a
+    :class:`DistillInputError` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DistillInputError(f"corpus manifest {path}: damaged ({err})") from None
+        with safe_open(str(path), framework="pt") as fh:
+            missing = [k for k in names if k not in fh.keys()]
+            if missing:
+                raise DistillInputError(f"corpus shard {path}: no tensor {missing[0]!r} (damaged shard)")
+            data = {k: fh.get_tensor(k) for k in names}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        if isinstance(err, DistillInputError):
+            raise
+        raise DistillInputError(f"corpus shard {path}: unreadable (missing, truncated or damaged: "
+                                f"{first_line(err)})") from None
+    off = data.get("offsets")
+    if off is not None:
+        n = int(off[-1]) if off.ndim == 1 and off.numel() >= 2 else -1
+        rows = {k: data[k].shape[0] for k in ("hidden", "tokens", "topk_ids", "topk_logp", "features")
+                if k in data and data[k].ndim >= 1}
+        if n < 1 or int(off[0]) != 0 or bool((off[1:] < off[:-1]).any()) or any(r != n for r in rows.values()) \
+                or (positions is not None and n != positions):
+            raise DistillInputError(f"corpus shard {path}: damaged (offsets do not match its rows"
+                                    f"{'' if positions is None else ' or the manifest'})")
+    return data
 
 
 def _continue(model, batch: list[list[int]], opts: CorpusOptions, index: int) -> list[list[int]]:
@@ -308,7 +504,7 @@ def _open_corpus(model, out_dir: str | Path, fingerprint: str, fresh: dict) -> t
     remove_stale_temporaries(out)
     mpath = out / MANIFEST
     if mpath.exists():
-        manifest = json.loads(mpath.read_text())
+        manifest = load_manifest(out)
         if manifest["fingerprint"] != fingerprint:
             raise DistillInputError(f"{out} holds a corpus built from other inputs or options; use another directory")
         return out, manifest

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..files import atomic_write, remove_stale_temporaries
-from .inputs import load_checkpoint
+from .inputs import DistillInputError, first_line, load_checkpoint
 
 
 @dataclass(frozen=True)
@@ -74,24 +74,43 @@ def open_run(run_dir: str | Path, name: str) -> tuple[Path, Path | None, dict | 
     return run_dir, path, (load_checkpoint(path) if path is not None else None)
 
 
+def resume_state(state: dict, model: torch.nn.Module, opt: torch.optim.Optimizer, keys: tuple[str, str],
+                 path: str | Path | None = None) -> int:
+    """Load a checkpoint of :func:`run_loop` (as :func:`.inputs.load_checkpoint` checked it: ``step`` a count,
+    ``rng`` absent or of the right shape) into ``model``, ``opt`` and torch's global RNG; returns its step.
+    States that do not fit are a :class:`.inputs.DistillInputError` naming ``path``."""
+    model_key, opt_key = keys
+    where = f"checkpoint {path}" if path is not None else "checkpoint"
+    for key in keys:
+        if not isinstance(state.get(key), dict):
+            raise DistillInputError(f"{where}: no {key!r} state (not a checkpoint of this trainer)")
+    try:
+        model.load_state_dict(state[model_key])
+        opt.load_state_dict(state[opt_key])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])  # random draws continue the uninterrupted stream
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise DistillInputError(f"{where}: its states do not fit this run ({type(err).__name__}: "
+                                f"{first_line(err)})") from None
+    return state["step"]
+
+
 def run_loop(cfg: LoopConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
              step_fn: Callable[[int], dict], *, run_dir: str | Path, name: str = "ckpt-{step}.pt",
              keys: tuple[str, str] = ("model", "optimizer"), state: dict | None = None,
-             extra: Callable[[], dict] = dict, on_step: Callable[[int, dict], None] | None = None) -> int:
+             extra: Callable[[], dict] = dict, on_step: Callable[[int, dict], None] | None = None,
+             state_path: str | Path | None = None) -> int:
     """Train ``model`` from ``state`` (a checkpoint of this loop, or None) up to ``cfg.steps``; returns the step.
 
     ``keys``: the checkpoint's entries for the model and optimizer state dicts. ``on_step(step, losses)``
     runs after each optimizer step (``step`` counts the steps done), before that step's checkpoint;
-    ``extra()`` adds entries to every checkpoint."""
+    ``extra()`` adds entries to every checkpoint; ``state_path`` (where ``state`` was read) names the file
+    when its states do not fit (:func:`resume_state`)."""
     run_dir = Path(run_dir)
     model_key, opt_key = keys
     step = 0
     if state is not None:
-        model.load_state_dict(state[model_key])
-        opt.load_state_dict(state[opt_key])
-        step = state["step"]
-        if "rng" in state:
-            torch.set_rng_state(state["rng"])  # random draws continue the uninterrupted stream
+        step = resume_state(state, model, opt, keys, state_path)
 
     def save() -> None:
         ckpt = {"step": step, model_key: model.state_dict(), opt_key: opt.state_dict(),

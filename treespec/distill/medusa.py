@@ -22,8 +22,8 @@ import torch
 
 from ..drafting.medusa import MedusaHeads, new_medusa_heads
 from ..files import atomic_write_json
-from .corpus import load_manifest
-from .inputs import DistillInputError
+from .corpus import read_shard
+from .inputs import DistillInputError, require_number, require_type
 from .loop import LoopConfig, open_run, run_loop
 
 CKPT_NAME = "medusa-ckpt.pt"  # one checkpoint, rewritten in place
@@ -59,7 +59,7 @@ class PositionPool:
     position, the end of its sequence; :meth:`batch` draws positions with per-corpus weights."""
 
     def __init__(self, corpora: list[str | Path], weights: list[float] | None = None) -> None:
-        from safetensors import safe_open
+        from .train import corpus_shards
 
         weights = weights or [1.0] * len(corpora)
         if len(weights) != len(corpora):
@@ -67,9 +67,8 @@ class PositionPool:
         hidden, tokens, ends, w = [], [], [], []
         base = 0
         for corpus, cw in zip(corpora, weights):
-            for sh in load_manifest(corpus)["shards"]:
-                with safe_open(str(Path(corpus) / sh["file"]), framework="pt") as fh:  # not the stored layers
-                    data = {k: fh.get_tensor(k) for k in ("offsets", "hidden", "tokens")}
+            for path, sh in corpus_shards(corpus):
+                data = read_shard(path, ("offsets", "hidden", "tokens"), sh["positions"])  # not the stored layers
                 off = data["offsets"]
                 n = int(off[-1])
                 hidden.append(data["hidden"])
@@ -132,8 +131,10 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
 
     run_dir, ckpt_path, ckpt = open_run(run_dir, CKPT_NAME)
     if ckpt is not None:
-        if not isinstance(ckpt.get("config"), dict) or "vocab_ids" not in ckpt:
+        if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("vocab_ids"), torch.Tensor):
             raise DistillInputError(f"checkpoint {ckpt_path}: not a Medusa training checkpoint")
+        require_type(ckpt, "history", list, f"checkpoint {ckpt_path}")
+        require_number(ckpt, "seconds", f"checkpoint {ckpt_path}")
         same = {k: v for k, v in ckpt["config"].items() if k != "time_limit_s"}
         if same != {k: v for k, v in asdict(cfg).items() if k != "time_limit_s"}:
             raise DistillInputError(f"{run_dir} holds a run with another configuration; use another run directory")
@@ -170,7 +171,7 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
 
     t0 = time.perf_counter()
     step = run_loop(loop, heads, opt, step_fn, run_dir=run_dir, name=CKPT_NAME, keys=("heads", "opt"), state=ckpt,
-                    extra=extra, on_step=on_step)
+                    extra=extra, on_step=on_step, state_path=ckpt_path)
     heads.eval()
     summary = {"steps": step, "of": cfg.steps, "seconds": round(seconds, 1), "positions": pool.num_positions,
                "corpora": [str(c) for c in corpora], "corpus_weights": corpus_weights,

@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 
 from ..drafting.head import EagleHead, HeadConfig, new_head
+from ..drafting.weights_file import build_checked
 from ..files import atomic_write_json, remove_stale_temporaries
 from ..models.features import normalise_feature_layers
-from .corpus import load_manifest
-from .inputs import DistillInputError, load_checkpoint, read_head_file, require_dir
+from .corpus import SHARD_TENSORS, load_manifest, read_shard
+from .inputs import (DistillInputError, contained_path, first_line, load_checkpoint, read_head_file, require_dir,
+                     require_type)
 from .losses import subset_distill_losses, subset_tv_loss
 from .loop import LoopConfig, latest_checkpoint, open_run, run_loop
 
@@ -137,7 +139,7 @@ def corpus_shards(corpus_dir, max_shards: int | tuple[int, ...] | None = None) -
             if len(shards) < count:
                 raise DistillInputError(f"corpus {d}: {len(shards)} finished shards, fewer than max_shards={count}")
             shards = shards[:count]
-        out += [(Path(d) / sh["file"], sh) for sh in shards]
+        out += [(contained_path(d, sh["file"], f"corpus {d}"), sh) for sh in shards]
     return out
 
 
@@ -147,14 +149,15 @@ def choose_vocab(corpus_dir, size: int, always: list[int] = (), extra_counts: to
 
     ``extra_counts`` ``[V]`` (e.g. token counts of every train prompt, available before the corpus
     is finished) is added to the corpus counts."""
-    from safetensors import safe_open
-
     first = corpus_dir if isinstance(corpus_dir, (str, Path)) else corpus_dir[0]
     man = load_manifest(first)
     counts = torch.zeros(man["vocab_size"], dtype=torch.float64)
     for path, _ in corpus_shards(corpus_dir, max_shards):
-        with safe_open(str(path), framework="pt") as fh:
-            counts += fh.get_tensor("counts").double()
+        shard_counts = read_shard(path, ("counts",))["counts"]
+        if shard_counts.shape != counts.shape:
+            raise DistillInputError(f"corpus shard {path}: damaged (counts of {tuple(shard_counts.shape)} tokens, "
+                                    f"the manifest says {man['vocab_size']})")
+        counts += shard_counts.double()
     if extra_counts is not None:
         counts += extra_counts.double().to(counts.device)
     for t in always:
@@ -192,13 +195,10 @@ class ShardSampler:
         self._loaded: tuple[int, dict] | None = None
 
     def _shard(self, i: int) -> dict:
-        from safetensors import safe_open
-
         if self._loaded is None or self._loaded[0] != i:
-            path = self.shards[i][0]
-            with safe_open(str(path), framework="pt") as fh:  # stored layers only when the head reads some
-                keys = [k for k in fh.keys() if k != "features" or self.columns[str(path.parent)]]
-                self._loaded = (i, {k: fh.get_tensor(k) for k in keys})
+            path, entry = self.shards[i]
+            names = SHARD_TENSORS + (("features",) if self.columns[str(path.parent)] else ())  # layers if read
+            self._loaded = (i, read_shard(path, names, entry["positions"]))
             self._loaded_path = path
         return self._loaded[1]
 
@@ -330,12 +330,21 @@ def _depth_losses(head: EagleHead, feat: torch.Tensor, keep: torch.Tensor, targe
 
 
 def _head_from_checkpoint(state: dict, path: Path) -> EagleHead:
+    """The head a training checkpoint holds (export, train resume). Its config is checked against the
+    stored tensors before anything is allocated (:func:`~treespec.drafting.weights_file.build_checked`,
+    as for head files: sizes beyond the stored tensors are refused, the module is probed on the meta
+    device), so a small checkpoint declaring a huge head is a named error, not gigabytes of memory."""
+    weights, vocab_ids = state.get("head"), state.get("vocab_ids")
     try:
-        head = EagleHead(HeadConfig(**state["head_config"]), state["vocab_ids"])
-        head.load_state_dict(state["head"])
+        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()) \
+                or not isinstance(vocab_ids, torch.Tensor) or not isinstance(state.get("head_config"), dict):
+            raise TypeError("expected 'head' tensors, 'vocab_ids' and a 'head_config' dict")
+        head = build_checked(path, "head", HeadConfig, state["head_config"], weights,
+                             lambda cfg: EagleHead(cfg, vocab_ids))
+        head.load_state_dict(weights)
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise DistillInputError(f"checkpoint {path}: not a head training checkpoint ({type(err).__name__}: "
-                                f"{str(err).splitlines()[0][:200]})") from None
+                                f"{first_line(err, 300).removeprefix(f'{path}: ')})") from None
     return head
 
 
@@ -363,6 +372,8 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
             raise DistillInputError(f"corpus {d}: built with another target (vocabulary / hidden size differ)")
     man = {"positions": sum(sh["positions"] for _, sh in corpus_shards(dirs, cfg.max_shards))}
     if state is not None:
+        if not isinstance(state.get("train_config", {}), dict):
+            raise DistillInputError(f"checkpoint {ckpt_path}: 'train_config' must be a dict")
         pinned = state.get("train_config", {}).get("max_shards")
         if pinned != cfg.max_shards:  # the data a run trains on is part of its identity
             raise DistillInputError(f"{ckpt_path}: the run trained on max_shards={pinned}, this call asks for "
@@ -431,7 +442,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
                 "corpus": [str(d) for d in dirs]}
 
     step = run_loop(loop, head, opt, step_fn, run_dir=run_dir, name=CKPT_NAME, keys=("head", "optimizer"),
-                    state=state, extra=extra, on_step=on_step)
+                    state=state, extra=extra, on_step=on_step, state_path=ckpt_path)
     bar.close()
     head.eval()
     elapsed = time.perf_counter() - t0
@@ -452,7 +463,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype =
     remove_stale_temporaries(Path(out).parent)
     state = load_checkpoint(ckpt)
     head = _head_from_checkpoint(state, ckpt)
-    summary = {"checkpoint": str(ckpt), "step": state["step"], "train_config": state["train_config"],
+    train_config = require_type(state, "train_config", dict, f"checkpoint {ckpt}")
+    summary = {"checkpoint": str(ckpt), "step": state["step"], "train_config": train_config,
                "corpus": state.get("corpus"), "trained_parameters": head.num_trained_parameters,
                "vocab_subset": int(head.vocab_ids.numel())}
     head.save(out, dtype=dtype, extra={"summary": summary})

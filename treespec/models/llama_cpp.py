@@ -214,9 +214,13 @@ class LlamaCppRunner:
     # ------------------------------------------------------------------ forward
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
                 *, need_logits: bool | str = True, need_hidden: bool = False,
-                feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+                feature_layers: tuple[int, ...] = (), rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Append ``chain`` (committed at once, causal) and/or the nodes of one tree (all of them, in
         index order). Returns ``logits`` ``[m + n, V]`` float32 and, if asked, ``hidden`` ``[m + n, H]``.
+
+        ``rows`` ``[R]`` (ascending node indices; a tree pass without a chain): llama.cpp outputs those
+        tokens alone, so the LM head runs on ``R`` rows instead of ``n``; ``logits`` ``[R, V]``, ``hidden``
+        ``[R, H]``.
         """
         if feature_layers:
             raise ValueError("the llama.cpp runner returns the last hidden state only (a head reading "
@@ -240,6 +244,7 @@ class LlamaCppRunner:
             raise ValueError(f"context overflow: {self.length + m} tokens exceed the runner's context of "
                              f"{self.max_positions}")
         plan = self._plan_tree(tree, nodes, n, self.length + m) if n else None  # checked before any decode
+        flags = self._row_flags(rows, m, n)  # [n] output flags of the tree's tokens
         logits, hidden = [], []
         for start in range(0, m, self.batch_size):
             part = ids[start:start + self.batch_size]
@@ -253,11 +258,11 @@ class LlamaCppRunner:
             for s in range(1, len(leaves) + 1):
                 self._ll.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
             self.tree, self.root_position, self._leaves = tree, self.length, leaves
-            self._fill(tokens, positions, seq_ids, outputs)
+            self._fill(tokens, positions, seq_ids, [outputs and f for f in flags])
             try:
                 self._decode()
                 if outputs:
-                    self._read(n, need_logits, need_hidden, logits, hidden)
+                    self._read(n, need_logits, need_hidden, logits, hidden, rows)
             except BaseException:
                 self._drop_paths()  # the prefix alone again, as before the call
                 raise
@@ -293,6 +298,21 @@ class LlamaCppRunner:
         positions = [root_position + d for d in tree.depths.tolist()]
         return tokens, positions, seq_ids, leaves
 
+    @staticmethod
+    def _row_flags(rows: torch.Tensor | None, m: int, n: int) -> list[bool]:
+        """``[n]`` whether each tree node is an output of the tree's decode (``rows``, checked)."""
+        if rows is None:
+            return [True] * n
+        if m:
+            raise ValueError("rows select outputs of a tree pass: pass no chain with them")
+        picked = [int(r) for r in rows.tolist()]
+        if not picked or picked != sorted(set(picked)) or picked[0] < 0 or picked[-1] >= n:
+            raise ValueError(f"rows must be ascending distinct node indices in [0, {n}), got {picked}")
+        flags = [False] * n
+        for r in picked:
+            flags[r] = True
+        return flags
+
     def _drop_paths(self) -> None:
         """Remove every path id (the cells only they hold go too) and forget the tree."""
         for s in range(1, len(self._leaves) + 1):
@@ -303,8 +323,10 @@ class LlamaCppRunner:
         if any(t < 0 or t >= self.vocab_size for t in ids):
             raise ValueError(f"token ids outside the model's vocabulary [0, {self.vocab_size})")
 
-    def _fill(self, tokens: list[int], positions: list[int], seq_ids: list[tuple[int, ...]], outputs: bool) -> None:
-        """Write one decode's tokens into the reusable batch."""
+    def _fill(self, tokens: list[int], positions: list[int], seq_ids: list[tuple[int, ...]],
+              outputs: bool | list[bool]) -> None:
+        """Write one decode's tokens into the reusable batch (``outputs``: for all, or per token)."""
+        flags = outputs if isinstance(outputs, list) else [outputs] * len(tokens)
         b = self._batch
         for i, (tok, pos, ids) in enumerate(zip(tokens, positions, seq_ids)):
             b.token[i] = tok
@@ -313,7 +335,7 @@ class LlamaCppRunner:
             row = b.seq_id[i]
             for k, s in enumerate(ids):
                 row[k] = s
-            b.logits[i] = outputs
+            b.logits[i] = flags[i]
         b.n_tokens = len(tokens)
 
     def _decode(self) -> None:
@@ -322,11 +344,17 @@ class LlamaCppRunner:
         if code != 0:
             raise RuntimeError(f"llama_decode failed (code {code}): the cache is full or the batch is invalid")
 
-    def _read(self, rows: int, need_logits, need_hidden: bool, logits: list, hidden: list) -> None:
-        """Copy the output rows of the last decode (all its tokens were outputs, in batch order)."""
+    def _read(self, tokens: int, need_logits, need_hidden: bool, logits: list, hidden: list,
+              picked: torch.Tensor | None = None) -> None:
+        """Copy the output rows of the last decode: all ``tokens``, or the ``picked`` ones (in batch order).
+        With embeddings on, llama.cpp outputs every token whatever the flags: the picked rows are taken."""
+        rows = tokens if picked is None else picked.numel()
+        every = tokens if self._embeddings else rows  # rows llama.cpp wrote
+        take = picked if self._embeddings and picked is not None else None
         if need_logits:
             ptr = self._ll.llama_get_logits(self._ctx)
-            logits.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy()))
+            out = np.ctypeslib.as_array(ptr, shape=(every, self.vocab_size))
+            logits.append(torch.from_numpy((out if take is None else out[take.numpy()]).copy()))
         if need_hidden and self._capture_on:
             if not self._captured:
                 raise RuntimeError("llama.cpp's graph ran without a result_norm tensor: this model's hidden states "
@@ -339,7 +367,8 @@ class LlamaCppRunner:
             hidden.append(torch.from_numpy(got))
         elif need_hidden:
             ptr = self._ll.llama_get_embeddings(self._ctx)
-            hidden.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.hidden_size)).copy()))
+            out = np.ctypeslib.as_array(ptr, shape=(every, self.hidden_size))
+            hidden.append(torch.from_numpy((out if take is None else out[take.numpy()]).copy()))
 
     def _observe(self, tensor: int, ask: bool, user_data) -> bool:
         """llama.cpp's evaluation callback (``capture_hidden``): asked for every graph node whether its data is

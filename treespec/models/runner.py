@@ -9,6 +9,11 @@ Masks are 4-D additive float masks ``[1, 1, queries, keys]`` (0 = attend, dtype 
 with explicit ``position_ids``; models with sliding-window layers (Gemma-2/3, Mistral) get a dict
 per layer type whose sliding entry also hides keys older than the window, so they stay exact past
 the window.
+
+A committed chain longer than ``runner.prefill_chunk`` tokens (a long prompt) is fed in pieces, each
+appended causally after the previous one (:func:`chain_pieces`): one call's masks are
+``[chunk, keys]``, never ``[prompt, prompt]``, so the memory of a prefill grows linearly with the
+prompt instead of quadratically (a 30k-token prompt asked for a 7.2 GB mask in one block before).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from .kv_cache import TreeKVCache
 
 from ..sampling import check_finite
 from ..tree import TokenTree
+
+
+#: committed-chain tokens per model call (:func:`chain_pieces`); a runner's ``prefill_chunk`` overrides it
+PREFILL_CHUNK = 512
 
 
 def _layer_window_types(config) -> tuple[list[str] | None, int | None]:
@@ -66,6 +75,40 @@ def start_forward(runner, tree: TokenTree | None, nodes: torch.Tensor | None,
     return m, n
 
 
+def chain_pieces(chain: torch.Tensor | None, nodes: torch.Tensor | None, rows: torch.Tensor | None, size: int
+                 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
+    """The model calls one forward of ``chain`` then ``nodes`` is made of: ``(chain piece, nodes, rows)``.
+
+    The chain (``[m]`` committed tokens) is cut into pieces of at most ``size`` tokens, fed one after
+    the other (each committed, so the next sees it causally); the tree ``nodes`` go with the last piece.
+    ``rows`` (``[R]`` ascending indices into the call's ``m + n`` tokens, or None: every row) become
+    each call's own, relative to its first token. A chain of at most ``size`` tokens (or none) is one
+    call, exactly as given."""
+    if size < 1:
+        raise ValueError(f"prefill chunk must be >= 1 token, got {size}")
+    if chain is None or chain.numel() <= size:
+        return [(chain, nodes, rows)]
+    pieces = list(chain.split(size))  # [<= size] each
+    calls, start = [], 0
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        own = None
+        if rows is not None:  # the last call also holds the nodes' rows
+            inside = rows >= start if last else (rows >= start) & (rows < start + piece.numel())
+            own = rows[inside] - start  # [R_i]
+        calls.append((piece, nodes if last else None, own))
+        start += piece.numel()
+    return calls
+
+
+def join_pieces(results: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The results of the calls of :func:`chain_pieces`, rows in input order (``logits`` / ``hidden``
+    ``[m + n, ...]``), as one call would return them."""
+    if len(results) == 1:
+        return results[0]
+    return {key: torch.cat([r[key] for r in results]) for key in results[0]}
+
+
 def forward_inputs(runner, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None
                    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """:func:`start_forward`, then the token ids ``[m + n]`` and positions ``[m + n]`` of one forward:
@@ -101,15 +144,19 @@ def visible_keys(runner, nodes: torch.Tensor | None, m: int, n: int, base: int, 
 
 
 def finish_forward(runner, hidden: torch.Tensor, base: int, m: int, nodes: torch.Tensor | None,
-                   need_logits: bool, need_hidden: bool, features: torch.Tensor | None = None
-                   ) -> dict[str, torch.Tensor]:
+                   need_logits: bool, need_hidden: bool, features: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Bookkeeping after a forward (the chain is committed, the nodes join ``slots``) and its result:
     ``logits`` from the last hidden state ``hidden``; ``hidden`` = ``features`` when given (the last
-    hidden state joined with earlier layers, :mod:`treespec.models.features`), else ``hidden``."""
+    hidden state joined with earlier layers, :mod:`treespec.models.features`), else ``hidden``; only
+    the rows ``rows`` ``[R]`` of both when given (the LM head runs on those alone)."""
     if m:
         runner.length = base + m
     if nodes is not None and nodes.numel():
         runner.slots.extend(nodes.tolist())
+    if rows is not None:
+        hidden = hidden.index_select(0, rows)  # [R, H]
+        features = None if features is None else features.index_select(0, rows)
     result = {}
     if need_logits:
         result["logits"] = runner.logits(hidden)
@@ -167,7 +214,10 @@ class TargetRunner(Protocol):
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
                 *, need_logits: bool = True, need_hidden: bool = False,
-                feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]: ...
+                feature_layers: tuple[int, ...] = (), rows: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
+        """:meth:`DraftRunner.forward`; ``rows`` ``[R]`` (ascending indices into the call's tokens,
+        chain then nodes): return ``logits`` and ``hidden`` of those rows only (None: every row)."""
 
     def commit(self, nodes: list[int]) -> None: ...
 
@@ -214,6 +264,7 @@ class ModelRunner:
         self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._checked_layers: tuple[int, ...] = ()
+        self.prefill_chunk = PREFILL_CHUNK  # chain tokens per model call (bounded masks, see the module docs)
         self.reset()
 
     def as_runner(self) -> "ModelRunner":
@@ -249,17 +300,28 @@ class ModelRunner:
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None,
                 chain: torch.Tensor | None = None, *, need_logits: bool = True,
-                need_hidden: bool = False, feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+                need_hidden: bool = False, feature_layers: tuple[int, ...] = (),
+                rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Append ``chain`` (committed tokens, causal) then tree ``nodes`` to the cache.
 
         ``nodes`` (``[n]`` node indices, ancestors before descendants, the root among the first
         call's nodes) may only see the committed prefix, the chain and their own ancestors.
-        The chain is committed at once. Returns ``logits`` ``[m + n, V]`` (float32, rows in input
-        order) and, if asked, ``hidden`` ``[m + n, H]``; with ``feature_layers`` (checked against
-        the model by :func:`~treespec.models.features.check_feature_layers`) ``hidden`` holds
-        those layers' outputs before the last hidden state, ``[m + n, (k + 1) * H]``.
+        The chain is committed at once; one longer than ``prefill_chunk`` tokens is fed in pieces
+        (:func:`chain_pieces`: bounded masks, the same function). Returns ``logits`` ``[m + n, V]``
+        (float32, rows in input order) and, if asked, ``hidden`` ``[m + n, H]``; with
+        ``feature_layers`` (checked against the model by
+        :func:`~treespec.models.features.check_feature_layers`) ``hidden`` holds those layers'
+        outputs before the last hidden state, ``[m + n, (k + 1) * H]``; with ``rows`` (``[R]``,
+        ascending indices into the ``m + n`` tokens) only those rows of both, ``[R, ...]``.
         """
         layers = self._feature_layers(feature_layers) if need_hidden else ()  # checked before any bookkeeping
+        return join_pieces([self._forward_piece(tree, piece_nodes, piece, need_logits, need_hidden, layers, own)
+                            for piece, piece_nodes, own in chain_pieces(chain, nodes, rows, self.prefill_chunk)])
+
+    def _forward_piece(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None,
+                       need_logits: bool, need_hidden: bool, layers: tuple[int, ...],
+                       rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """One model call of :meth:`forward` (``layers``: checked feature layers; ``rows``: this call's)."""
         base = self.length
         m, n, ids, q_pos = forward_inputs(self, tree, nodes, chain)
         past = self.key_positions.numel()
@@ -276,7 +338,7 @@ class ModelRunner:
             features = join_features({i: outputs[i][0] for i in layers}, last, layers)
         else:
             features = None
-        return finish_forward(self, last, base, m, nodes, need_logits, need_hidden, features)
+        return finish_forward(self, last, base, m, nodes, need_logits, need_hidden, features, rows)
 
     def _feature_layers(self, layers) -> tuple[int, ...]:
         """``layers`` checked against this model (cached per distinct request: hot path)."""

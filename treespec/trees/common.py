@@ -14,7 +14,7 @@ import torch
 
 from ..drafting.base import DraftState
 from ..models.compat import check_draft_vocab
-from ..models.runner import DraftRunner, as_runner
+from ..models.runner import DraftRunner, ModelRunner, as_runner
 from ..verify import VerifyResult
 
 
@@ -109,7 +109,12 @@ class RunnerDrafter:
         """Draft logits of tree ``nodes`` (``len(nodes)`` rows): on the runner's vocabulary subset when
         it scores one (``need_logits="subset"``), else on the full vocabulary (padded)."""
         idx = torch.tensor(nodes, dtype=torch.long, device=self.runner.device)
-        out = self.runner.forward(tree, idx, chain, need_logits="subset")
+        m = 0 if chain is None else chain.numel()
+        if m and isinstance(self.runner, ModelRunner):  # a causal LM: no LM-head rows for the chain (a long prompt)
+            rows = torch.arange(m, m + len(nodes), device=self.runner.device)
+            out = self.runner.forward(tree, idx, chain, need_logits="subset", rows=rows)
+        else:
+            out = self.runner.forward(tree, idx, chain, need_logits="subset")
         self.draft_forwards += 1
         logits = out["logits"][-len(nodes):]
         ids = out.get("vocab_ids")

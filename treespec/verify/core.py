@@ -20,6 +20,12 @@ gathers (the tree depth); the result is read back with a single host sync.
 
 At the final node of the path the emitted token is the *recovered* token (drawn from the residual)
 if that node has children, else the *bonus* token (drawn from p).
+
+``target_probs`` has a row per node, or a row per node of ``tree.verified_nodes`` only (the root and
+every node with children, in that order): a target that pays for each row it outputs (llama.cpp's LM
+head) can skip the leaves. A path accepted down to a leaf without a row then ends without a bonus
+token; the accepted path's law is unchanged, since the bonus token is drawn after it and from the
+leaf's row alone.
 """
 
 from __future__ import annotations
@@ -87,15 +93,16 @@ class VerifyResult:
         Node indices of the accepted drafts, root excluded, in path order.
     accepted_tokens : list[int]
         Their tokens.
-    next_token : int
-        The token emitted after them: recovered (from the residual) or bonus (from p).
+    next_token : int | None
+        The token emitted after them: recovered (from the residual) or bonus (from p); None when the
+        path ends at a leaf that has no target row (``target_probs`` over ``tree.verified_nodes``).
     is_bonus : bool
         True if every draft on the path was accepted down to a leaf.
     """
 
     accepted_nodes: list[int]
     accepted_tokens: list[int]
-    next_token: int
+    next_token: int | None
     is_bonus: bool
 
     @property
@@ -104,24 +111,26 @@ class VerifyResult:
 
     @property
     def tokens(self) -> list[int]:
-        """Every token this step emits: the accepted drafts, then the recovered / bonus token."""
-        return [*self.accepted_tokens, self.next_token]
+        """Every token this step emits: the accepted drafts, then the recovered / bonus token (if any)."""
+        return [*self.accepted_tokens, *([] if self.next_token is None else [self.next_token])]
 
 
 def check_inputs(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                  needs_draft_probs: bool, name: str) -> None:
     n = tree.num_nodes
-    if target_probs.ndim != 2 or target_probs.shape[0] != n:
+    rows = (n, tree.verified_nodes.numel())
+    if target_probs.ndim != 2 or target_probs.shape[0] not in rows:
         raise ValueError(
-            f"{name}: target_probs must be [num_nodes={n}, vocab], got {tuple(target_probs.shape)}"
+            f"{name}: target_probs must be [num_nodes={n}, vocab] or [verified nodes={rows[1]}, vocab], got "
+            f"{tuple(target_probs.shape)}"
         )
     if needs_draft_probs and n > 1:
         if draft_probs is None:
             raise ValueError(f"{name}: this verifier needs draft_probs (the law the children were drawn from)")
-        if tuple(draft_probs.shape) != tuple(target_probs.shape):
+        if tuple(draft_probs.shape) != (n, target_probs.shape[1]):
             raise ValueError(
-                f"{name}: draft_probs {tuple(draft_probs.shape)} must match target_probs "
-                f"{tuple(target_probs.shape)} (same vocabulary, one row per node)"
+                f"{name}: draft_probs {tuple(draft_probs.shape)} must be [num_nodes={n}, "
+                f"vocab={target_probs.shape[1]}] (the target's vocabulary, one row per node)"
             )
 
 
@@ -148,19 +157,22 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
     children = tree.children  # [n, K]
     k = children.shape[1]
     internal = torch.nonzero(tree.num_children > 0).flatten()  # [M]
+    row_of = target_rows(tree, target_probs)  # [n] node -> row of target_probs, -1 where none
     next_node = torch.full((n,), -1, dtype=torch.long, device=device)
     residual_row = torch.full((n,), -1, dtype=torch.long, device=device)
     residual = target_probs[:0]
+    mass_ok = torch.ones((), dtype=torch.bool, device=device)
     if internal.numel() > 0:
         kids = children[internal]  # [M, K]
         valid = kids >= 0
         child_tokens = torch.where(valid, tree.tokens[kids.clamp(min=0)], torch.zeros_like(kids))
         # index_select: a plain copy of whole rows (advanced indexing takes the general gather kernel)
-        p = target_probs.index_select(0, internal)  # [M, V]
+        p = target_probs.index_select(0, row_of[internal])  # [M, V]
         q = draft_probs.index_select(0, internal) if draft_probs is not None else None  # [M, V]
         choice_probs, residual = rule(p, q, child_tokens, valid)  # [M, K+1], [M, V]
         choice_probs = choice_probs.clamp(min=0)
         cum = choice_probs.cumsum(dim=1)
+        mass_ok = torch.isfinite(cum[:, -1]).all()
         u = torch.rand(internal.numel(), 1, generator=generator, device=device, dtype=cum.dtype)
         choice = (u * cum[:, -1:] >= cum).sum(dim=1).clamp(max=k)  # [M], K = none accepted
         picked = kids.gather(1, choice.clamp(max=k - 1)[:, None]).squeeze(1)
@@ -169,10 +181,14 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
     cur = _walk(tree, next_node)
     row = residual_row[cur]
     is_bonus = row < 0
-    dist = target_probs[cur] if residual.shape[0] == 0 else torch.where(
-        is_bonus, target_probs[cur], residual_rows(residual, row.clamp(min=0).view(1))[0]
+    own = target_probs[row_of[cur].clamp(min=0)]  # [V] (a leaf without a row: drawn from, never emitted)
+    dist = own if residual.shape[0] == 0 else torch.where(
+        is_bonus, own, residual_rows(residual, row.clamp(min=0).view(1))[0]
     )  # [V]
-    return _result(tree, cur, sample_categorical(dist, generator), is_bonus)
+    mass = dist.sum()
+    mass_ok = mass_ok & torch.isfinite(mass) & (mass > 0)
+    return _result(tree, cur, sample_categorical(dist, generator), is_bonus, row_of[cur] >= 0, mass_ok,
+                   target_probs.shape[1])
 
 
 def verify_tree_greedy(tree: TokenTree, scores: torch.Tensor) -> VerifyResult:
@@ -181,13 +197,25 @@ def verify_tree_greedy(tree: TokenTree, scores: torch.Tensor) -> VerifyResult:
     The fast path of :func:`verify_tree` with :func:`treespec.verify.rules.greedy_rule`: no
     ``[M, V]`` work beyond one argmax, no sampling. Tested against the rule-based path.
     """
-    best = first_argmax(scores)  # [n] the target's greedy token after each node
+    row_of = target_rows(tree, scores)  # [n]
+    best = first_argmax(scores).index_select(0, row_of.clamp(min=0))  # [n] the target's greedy token after each node
     kids = tree.children  # [n, K]
     match = (kids >= 0) & (tree.tokens[kids.clamp(min=0)] == best[:, None])  # [n, K]
     first = match.to(torch.int8).argmax(dim=1, keepdim=True)  # first matching child
     next_node = torch.where(match.any(dim=1), kids.gather(1, first).squeeze(1), torch.full_like(best, -1))
     cur = _walk(tree, next_node)
-    return _result(tree, cur, best[cur], tree.num_children[cur] == 0)
+    return _result(tree, cur, best[cur], tree.num_children[cur] == 0, row_of[cur] >= 0)
+
+
+def target_rows(tree: TokenTree, target_probs: torch.Tensor) -> torch.Tensor:
+    """``[num_nodes]``: the row of ``target_probs`` holding each node's target distribution, -1 for a
+    leaf without one (``target_probs`` over ``tree.verified_nodes``)."""
+    n = tree.num_nodes
+    if target_probs.shape[0] == n:
+        return torch.arange(n, device=tree.device)
+    row_of = torch.full((n,), -1, dtype=torch.long, device=tree.device)
+    verified = tree.verified_nodes
+    return row_of.index_copy_(0, verified, torch.arange(verified.numel(), device=tree.device))
 
 
 def _walk(tree: TokenTree, next_node: torch.Tensor) -> torch.Tensor:
@@ -199,15 +227,22 @@ def _walk(tree: TokenTree, next_node: torch.Tensor) -> torch.Tensor:
     return cur
 
 
-def _result(tree: TokenTree, cur: torch.Tensor, token: torch.Tensor, is_bonus: torch.Tensor) -> VerifyResult:
-    """Read the path to ``cur`` and the emitted token back with one host sync."""
+def _result(tree: TokenTree, cur: torch.Tensor, token: torch.Tensor, is_bonus: torch.Tensor,
+            has_row: torch.Tensor, mass_ok: torch.Tensor | None = None, vocab: int | None = None) -> VerifyResult:
+    """Read the path to ``cur`` and the emitted token back with one host sync; ``mass_ok`` False (a
+    row of the path with no finite positive mass) raises."""
     n = tree.num_nodes
-    packed = torch.cat([torch.stack([cur, token, is_bonus.long()]),
+    ok = torch.ones((), dtype=torch.bool, device=cur.device) if mass_ok is None else mass_ok
+    packed = torch.cat([torch.stack([cur, token, is_bonus.long(), has_row.long(), ok.long()]),
                         tree.ancestor_mask[cur].long(), tree.tokens])
     host = packed.tolist()  # the one host sync of a verification
-    on_path, tokens = host[3:3 + n], host[3 + n:]
+    node, tok, bonus, has, good = host[:5]
+    if not good or (vocab is not None and not 0 <= tok < vocab):
+        raise ValueError(f"target_probs has no finite positive mass on the path to node {node}: verifiers "
+                         f"take probabilities (logits_to_probs), every row summing to a positive number")
+    on_path, tokens = host[5:5 + n], host[5 + n:]
     path = [i for i in range(1, n) if on_path[i]]
-    return VerifyResult(path, [tokens[i] for i in path], int(host[1]), bool(host[2]))
+    return VerifyResult(path, [tokens[i] for i in path], int(tok) if has else None, bool(bonus))
 
 
 def output_law(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,

@@ -260,11 +260,10 @@ class FastGemmaRunner(ModelRunner):
             return {False: sliding, True: sliding}
         return {False: full, True: sliding}
 
-    def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None,
-                chain: torch.Tensor | None = None, *, need_logits: bool = True,
-                need_hidden: bool = False, feature_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
-        """Same contract as :meth:`ModelRunner.forward`."""
-        layers = self._feature_layers(feature_layers) if need_hidden else ()
+    def _forward_piece(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None,
+                       need_logits: bool, need_hidden: bool, layers: tuple[int, ...],
+                       rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """One model call of :meth:`ModelRunner.forward` (which cuts long chains into pieces)."""
         kv = self.kv
         base = self.length
         m, n, ids, q_pos = forward_inputs(self, tree, nodes, chain)
@@ -278,7 +277,7 @@ class FastGemmaRunner(ModelRunner):
         hidden = self._body(ids, q_pos, masks, past, total, layers, outputs)
         kv.used = total
         features = join_features(outputs, hidden, layers) if layers else None
-        return finish_forward(self, hidden, base, m, nodes, need_logits, need_hidden, features)
+        return finish_forward(self, hidden, base, m, nodes, need_logits, need_hidden, features, rows)
 
     def _body(self, ids: torch.Tensor, q_pos: torch.Tensor, masks: dict, past: int, total: int,
               layers: tuple[int, ...] = (), outputs: dict | None = None) -> torch.Tensor:
