@@ -10,7 +10,8 @@ median over ``--reps`` passes of three ways to ask llama.cpp for what a verifier
 ``logits - body`` is llama.cpp's LM head over n rows (262,144 entries each for Gemma-3-270M) plus the copy of
 the rows; ``t(n) / t(1)`` says how much a tree pass of n nodes costs over a plain decoding step. A second table
 holds a pass of ``--rows-of`` nodes with logits for its first k nodes only (``forward(..., rows=...)``, what
-``--leaf-logits off`` asks for), for each k of ``--rows``: what each LM-head row adds. Writes
+``--leaf-logits off`` asks for, without the runner's even padding), for each k of ``--rows``, every k once per
+round: what each LM-head row adds. Writes
 ``profile.json`` and ``table.md`` under ``benchmarks/results/profile/<date>-<commit>-llama-cpp[-tag]/``::
 
     python benchmarks/profile_llama_cpp.py --threads 2
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=100, help="committed tokens before each pass")
     ap.add_argument("--rows-of", type=int, default=8, help="nodes of the pass whose output rows --rows sweeps")
-    ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 8],
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 7, 8],
                     help="output rows k of the --rows-of pass (none: no sweep)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--render", type=Path, default=None, metavar="DIR",
@@ -142,13 +143,19 @@ def main(argv: list[str] | None = None) -> int:
             row[mode] = {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts)}
         rows.append(row)
         print(f"n={n}: " + ", ".join(f"{m} {row[m]['median_ms']:.1f} ms" for m in MODES), flush=True)
-    sweep = []
-    for k in args.rows:
-        time_passes(plain, args.rows_of, "logits", 2, rows=k)  # warm-up
-        ts = time_passes(plain, args.rows_of, "logits", args.reps, rows=k)
-        sweep.append({"rows": k, "pass": {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
-                                          "max_ms": 1e3 * max(ts)}})
-        print(f"{args.rows_of} nodes, {k} rows: {sweep[-1]['pass']['median_ms']:.1f} ms", flush=True)
+    # the row sweep: k rows as asked (no even padding), every k once per round, rounds alternating in order
+    exact = LlamaCppRunner(gguf, context=args.prefix + 64, threads=args.threads, even_outputs=False)
+    exact.forward(None, None, prefix, need_logits=False)
+    times: dict[int, list[float]] = {k: [] for k in args.rows}
+    for rep in range(args.reps + 2):
+        for k in (args.rows if rep % 2 == 0 else args.rows[::-1]):
+            t = time_passes(exact, args.rows_of, "logits", 1, rows=k)
+            if rep >= 2:  # two warm-up rounds
+                times[k] += t
+    sweep = [{"rows": k, "pass": {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+                                  "max_ms": 1e3 * max(ts)}} for k, ts in times.items()]
+    for row in sweep:
+        print(f"{args.rows_of} nodes, {row['rows']} rows: {row['pass']['median_ms']:.1f} ms", flush=True)
     write_json(out / "profile.json", {"provenance": prov, "machine": machine_info(), "gguf": gguf.name,
                                       "settings": vars(args) | {"out": _relative(out)}, "rows": rows,
                                       "row_sweep": sweep})

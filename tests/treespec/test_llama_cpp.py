@@ -87,22 +87,31 @@ def test_hidden_capture_equals_embeddings_output(runner):
     assert outs[1][0].shape == (len(prefix), runner.hidden_size)
 
 
-@pytest.mark.parametrize("capture_hidden", [False, True])
-def test_rows_pass_returns_the_rows_of_the_full_pass(runner, capture_hidden):
-    """``rows`` (the verified nodes): llama.cpp outputs those tokens alone, with the logits and hidden states
-    the full pass gives them; in both ways of reading hidden states (embeddings output, graph capture)."""
-    r = LlamaCppRunner(runner.path, context=256, threads=1, capture_hidden=True) if capture_hidden else runner
+@pytest.mark.parametrize("capture_hidden, even_outputs", [(False, False), (False, True), (True, False), (True, True)])
+def test_rows_pass_returns_the_rows_of_the_full_pass(runner, capture_hidden, even_outputs, monkeypatch):
+    """``rows`` (the verified nodes, 5 of 8): llama.cpp outputs those tokens alone (with ``even_outputs``, one more
+    whose row is dropped), with the logits and hidden states the full pass gives them; in both ways of reading
+    hidden states (embeddings output, graph capture)."""
+    r = LlamaCppRunner(runner.path, context=256, threads=1, capture_hidden=capture_hidden, even_outputs=even_outputs)
     prefix = torch.tensor([1, 6, 7, 8, 9, 10])
     tree = tree_of(6, 4, runner.vocab_size)
     rows = tree.verified_nodes
+    assert rows.numel() == 5
+    fill, flagged = LlamaCppRunner._fill, []
+
+    def spy(self, tokens, positions, seq_ids, outputs):
+        flagged.append(sum(outputs) if isinstance(outputs, list) else len(tokens) * bool(outputs))
+        return fill(self, tokens, positions, seq_ids, outputs)
+
+    monkeypatch.setattr(LlamaCppRunner, "_fill", spy)
     outs = []
     for picked in (None, rows):
         r.reset()
         r.forward(None, None, prefix, need_logits=False)
         outs.append(r.forward(tree, torch.arange(tree.num_nodes), need_hidden=True, rows=picked))
         r.commit([0])
-    if capture_hidden:
-        r.close()
+    r.close()
+    assert flagged[-1] == (6 if even_outputs else 5)
     full, part = outs
     assert part["logits"].shape == (rows.numel(), runner.vocab_size) and rows.numel() < tree.num_nodes
     torch.testing.assert_close(part["logits"], full["logits"][rows], atol=ATOL, rtol=0)

@@ -101,6 +101,11 @@ class LlamaCppRunner:
         then costs no LM head rows. The callback runs on every graph node (about 1 ms a decode for
         Gemma-3-270M), so it is for runners that serve hidden-state drafters. Without it, hidden states come
         from llama.cpp's embeddings output, which computes the LM head on every token of the batch.
+    even_outputs : when a tree pass asks for an odd number (3 or more) of its nodes' rows (``rows``), output one
+        more token and drop its row. llama.cpp's CPU matrix product over the Q8_0 LM head took about 25 ms
+        longer for an odd number of rows than for the next even one on an AVX2 AMD EPYC (3 rows 59 ms, 4 rows
+        33 ms; ``benchmarks/results/profile/`` ``*-llama-cpp-epyc-avx2-rows``, where ``profile_llama_cpp.py``
+        measures it for any host).
     """
 
     model = None  # no PyTorch module behind it
@@ -109,7 +114,7 @@ class LlamaCppRunner:
 
     def __init__(self, gguf_path: str | os.PathLike, *, context: int = 4096, threads: int | None = None,
                  max_leaves: int = DEFAULT_MAX_LEAVES, tree_cells: int = DEFAULT_TREE_CELLS,
-                 capture_hidden: bool = False) -> None:
+                 capture_hidden: bool = False, even_outputs: bool = True) -> None:
         path = Path(gguf_path)
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file {str(path)!r}")
@@ -152,6 +157,7 @@ class LlamaCppRunner:
         cparams.swa_full = True  # sliding-window layers keep every cell: rejected nodes can be dropped
         cparams.no_perf = True
         self.capture_hidden = capture_hidden
+        self.even_outputs = even_outputs
         self._captured: list[np.ndarray] = []
         self._capture_on = False  # capture on the current decode
         self._stop_after_hidden = False  # and skip the rest of the graph (the LM head)
@@ -244,7 +250,7 @@ class LlamaCppRunner:
             raise ValueError(f"context overflow: {self.length + m} tokens exceed the runner's context of "
                              f"{self.max_positions}")
         plan = self._plan_tree(tree, nodes, n, self.length + m) if n else None  # checked before any decode
-        flags = self._row_flags(rows, m, n)  # [n] output flags of the tree's tokens
+        flags, keep = self._outputs(rows, m, n)  # [n] output flags of the tree's tokens, the output rows returned
         logits, hidden = [], []
         for start in range(0, m, self.batch_size):
             part = ids[start:start + self.batch_size]
@@ -262,7 +268,8 @@ class LlamaCppRunner:
             try:
                 self._decode()
                 if outputs:
-                    self._read(n, need_logits, need_hidden, logits, hidden, rows)
+                    self._read(n if self._embeddings else sum(flags), need_logits, need_hidden, logits, hidden,
+                               (rows.tolist() if rows is not None else None) if self._embeddings else keep)
             except BaseException:
                 self._drop_paths()  # the prefix alone again, as before the call
                 raise
@@ -298,11 +305,12 @@ class LlamaCppRunner:
         positions = [root_position + d for d in tree.depths.tolist()]
         return tokens, positions, seq_ids, leaves
 
-    @staticmethod
-    def _row_flags(rows: torch.Tensor | None, m: int, n: int) -> list[bool]:
-        """``[n]`` whether each tree node is an output of the tree's decode (``rows``, checked)."""
+    def _outputs(self, rows: torch.Tensor | None, m: int, n: int) -> tuple[list[bool], list[int] | None]:
+        """``rows`` checked: ``[n]`` whether each tree node is an output of the decode, and which of the output
+        rows to return (None: all). With ``even_outputs`` an odd count of three or more rows gets one more
+        output token (the first not asked for), whose row is dropped."""
         if rows is None:
-            return [True] * n
+            return [True] * n, None
         if m:
             raise ValueError("rows select outputs of a tree pass: pass no chain with them")
         picked = [int(r) for r in rows.tolist()]
@@ -311,7 +319,11 @@ class LlamaCppRunner:
         flags = [False] * n
         for r in picked:
             flags[r] = True
-        return flags
+        if self.even_outputs and len(picked) >= 3 and len(picked) % 2 and len(picked) < n:
+            flags[flags.index(False)] = True
+            out_rows = [i for i in range(n) if flags[i]]
+            return flags, [out_rows.index(r) for r in picked]
+        return flags, None
 
     def _drop_paths(self) -> None:
         """Remove every path id (the cells only they hold go too) and forget the tree."""
@@ -344,31 +356,29 @@ class LlamaCppRunner:
         if code != 0:
             raise RuntimeError(f"llama_decode failed (code {code}): the cache is full or the batch is invalid")
 
-    def _read(self, tokens: int, need_logits, need_hidden: bool, logits: list, hidden: list,
-              picked: torch.Tensor | None = None) -> None:
-        """Copy the output rows of the last decode: all ``tokens``, or the ``picked`` ones (in batch order).
-        With embeddings on, llama.cpp outputs every token whatever the flags: the picked rows are taken."""
-        rows = tokens if picked is None else picked.numel()
-        every = tokens if self._embeddings else rows  # rows llama.cpp wrote
-        take = picked if self._embeddings and picked is not None else None
+    def _read(self, written: int, need_logits, need_hidden: bool, logits: list, hidden: list,
+              keep: list[int] | None = None) -> None:
+        """Copy the output rows of the last decode: llama.cpp wrote ``written`` rows (its output tokens in batch
+        order; with embeddings on, every token whatever the flags); ``keep``: those returned (None: all)."""
+        take = None if keep is None else np.asarray(keep)
         if need_logits:
             ptr = self._ll.llama_get_logits(self._ctx)
-            out = np.ctypeslib.as_array(ptr, shape=(every, self.vocab_size))
-            logits.append(torch.from_numpy((out if take is None else out[take.numpy()]).copy()))
+            out = np.ctypeslib.as_array(ptr, shape=(written, self.vocab_size))
+            logits.append(torch.from_numpy((out if take is None else out[take]).copy()))
         if need_hidden and self._capture_on:
             if not self._captured:
                 raise RuntimeError("llama.cpp's graph ran without a result_norm tensor: this model's hidden states "
                                    "cannot be captured (use capture_hidden=False)")
             got = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]
             self._captured = []
-            if got.shape != (rows, self.hidden_size):
+            if got.shape != (written, self.hidden_size):
                 raise RuntimeError(f"llama.cpp's graph gave hidden states of shape {got.shape}, expected "
-                                   f"{(rows, self.hidden_size)}")
-            hidden.append(torch.from_numpy(got))
+                                   f"{(written, self.hidden_size)}")
+            hidden.append(torch.from_numpy(got if take is None else got[take]))
         elif need_hidden:
             ptr = self._ll.llama_get_embeddings(self._ctx)
-            out = np.ctypeslib.as_array(ptr, shape=(every, self.hidden_size))
-            hidden.append(torch.from_numpy((out if take is None else out[take.numpy()]).copy()))
+            out = np.ctypeslib.as_array(ptr, shape=(written, self.hidden_size))
+            hidden.append(torch.from_numpy((out if take is None else out[take]).copy()))
 
     def _observe(self, tensor: int, ask: bool, user_data) -> bool:
         """llama.cpp's evaluation callback (``capture_hidden``): asked for every graph node whether its data is
