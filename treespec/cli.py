@@ -78,7 +78,9 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
 
 def _leaf_logits(args: argparse.Namespace) -> bool:
     """``--leaf-logits`` as :class:`GenerationConfig`'s ``leaf_logits`` (``auto``: the target's measured setting)."""
-    return default_leaf_logits(args.target) if args.leaf_logits == "auto" else args.leaf_logits == "on"
+    if args.leaf_logits != "auto":
+        return args.leaf_logits == "on"
+    return default_leaf_logits(args.target, "none" if args.plain else _resolved_draft(args))
 
 
 def _reads_head(draft: str) -> bool:

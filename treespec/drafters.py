@@ -93,20 +93,22 @@ class DefaultLeafLogits:
     evidence: str
 
 
-#: ``--leaf-logits auto`` by target kind (see :func:`target_kind`); a kind not listed computes every leaf's logits
-#: (a PyTorch target's LM head over a few more rows costs little: its weights are read once per pass)
-DEFAULT_LEAF_LOGITS: dict[str, DefaultLeafLogits] = {
-    # llama.cpp computes an LM-head row (262,144 x 640, Q8_0) for every token it outputs: without the leaves' rows
-    # n-gram lookup ran 1.06x / 1.11x its speed with them at T=0 / T=1 (13 of 14 prompts faster, sign test
-    # p = 0.0018), lookup+head 1.04x / 1.05x, the head alone 0.93x / 1.00x (AVX2-only AMD EPYC; paired.md there)
-    "gguf": DefaultLeafLogits(False, _SPEED + "2026-11-27-126cb5d-epyc-avx2-leaf-rows"),
+_LEAF_ROWS = _SPEED + "2026-11-27-126cb5d-epyc-avx2-leaf-rows"
+#: ``--leaf-logits auto`` by (target kind, resolved ``--draft`` word); a pair not listed computes every leaf's
+#: logits (a PyTorch target's LM head over a few more rows costs little: its weights are read once per pass). On
+#: llama.cpp, which computes an LM-head row (262,144 x 640, Q8_0) for every token it outputs, skipping the leaves'
+#: rows made n-gram lookup 1.061x / 1.111x as fast at T=0 / T=1 (13 of 14 prompts faster, sign test p = 0.0018)
+#: and lookup+head 1.039x / 1.045x; the head alone went 0.932x / 0.997x, so it keeps them (paired.md there).
+DEFAULT_LEAF_LOGITS: dict[tuple[str, str], DefaultLeafLogits] = {
+    ("gguf", "ngram"): DefaultLeafLogits(False, _LEAF_ROWS),
+    ("gguf", "lookup+head"): DefaultLeafLogits(False, _LEAF_ROWS),
 }
 
 
-def default_leaf_logits(target: str) -> bool:
-    """What ``--leaf-logits auto`` stands for on ``target`` (a ``--target`` value): an entry of
-    :data:`DEFAULT_LEAF_LOGITS`, else True."""
-    entry = DEFAULT_LEAF_LOGITS.get(target_kind(target))
+def default_leaf_logits(target: str, draft: str) -> bool:
+    """What ``--leaf-logits auto`` stands for on ``target`` (a ``--target`` value) with ``draft`` (a resolved
+    ``--draft`` word): an entry of :data:`DEFAULT_LEAF_LOGITS`, else True."""
+    entry = DEFAULT_LEAF_LOGITS.get((target_kind(target), draft))
     return entry.leaf_logits if entry is not None else True
 
 

@@ -59,6 +59,8 @@ class GenerationConfig:
                 raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1] (what "
                                  f"torch.Generator.manual_seed takes, negatives aside), got {self.seed!r}")
             object.__setattr__(self, "seed", int(self.seed))
+        if not isinstance(self.leaf_logits, bool):
+            raise ValueError(f"leaf_logits must be True or False, got {self.leaf_logits!r}")
         if self.verifier != "auto" and self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; expected 'auto' or one of {sorted(VERIFIERS)}")
         if self.verifier == "greedy" and not self.sampling.greedy:
@@ -182,6 +184,9 @@ def check_draft_vocabulary(drafter, target_vocab_size: int) -> None:
         seen.add(id(d))
         todo.extend(getattr(d, "drafters", None) or ())
         todo.append(getattr(d, "drafter", None))
+        inner = getattr(d, "model", None)  # MergedDrafter's model drafter
+        if hasattr(inner, "propose"):
+            todo.append(inner)
         if not isinstance(d, RunnerDrafter) or d.vocab_size == target_vocab_size:
             continue
         model = d.runner.model
@@ -298,7 +303,8 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
         # verify the whole tree in one target pass
         nodes = torch.arange(tree.num_nodes, device=runner.device)
         rows = None if config.leaf_logits or tree.num_nodes == 1 else tree.verified_nodes  # [R] or all
-        out = runner.forward(tree, nodes, need_hidden=hidden, rows=rows, **features)
+        picked = {} if rows is None else {"rows": rows}  # (a runner written before ``rows`` serves every row)
+        out = runner.forward(tree, nodes, need_hidden=hidden, **picked, **features)
         # the greedy verifier needs only each row's argmax: logits serve as they are
         target_probs = out["logits"] if verifier_name == "greedy" else logits_to_probs(out["logits"], sampling)
         verdict = verify(tree, target_probs, draft.draft_probs, generator)

@@ -197,6 +197,12 @@ def test_drafter_of_another_vocabulary_is_named_by_generate(draft_vocab, message
         generate(target, [1, 2, 3], drafter, cfg)
     with pytest.raises(ValueError, match=message):
         generate(target, [1, 2, 3], FirstOf(NgramDrafter(), drafter), cfg)
+    if temperature == 0.0:  # MergedDrafter takes deterministic model drafts
+        from treespec.trees.merged import MergedDrafter
+
+        merged = MergedDrafter(ShapeDrafter(tiny_model("llama", draft_vocab, seed=1), TreeShape.chain(2), "deterministic"))
+        with pytest.raises(ValueError, match=message):
+            generate(target, [1, 2, 3], merged, cfg)
 
 
 def test_drafter_built_for_the_target_vocabulary_runs():

@@ -151,7 +151,7 @@ def test_negative_token_ids_are_refused():
 def test_a_stopping_row_without_mass_is_refused(name, fill):
     tree = TokenTree.from_lists([-1], [0], "iid" if name != "deterministic" else "deterministic")
     target = torch.full((1, 100), fill)
-    with pytest.raises(ValueError, match="no finite positive mass"):
+    with pytest.raises(ValueError, match="without finite positive mass"):
         VERIFIERS[name](tree, target, target.clone(), torch.Generator().manual_seed(0))
 
 
@@ -159,5 +159,35 @@ def test_a_rejecting_row_without_mass_is_refused():
     tree = TokenTree.from_lists([-1, 0], [0, 1], "iid")
     target = torch.softmax(torch.randn(2, 10, generator=torch.Generator().manual_seed(0)), dim=1)
     target[0] = float("nan")
-    with pytest.raises(ValueError, match="no finite positive mass"):
+    with pytest.raises(ValueError, match="without finite positive mass"):
         VERIFIERS["rrs"](tree, target, target.clone(), torch.Generator().manual_seed(0))
+
+
+def test_leaf_logits_must_be_a_bool():
+    with pytest.raises(ValueError, match="leaf_logits must be True or False"):
+        GenerationConfig(leaf_logits="off")
+
+
+def test_auto_skips_leaf_rows_where_measured_faster():
+    """``--leaf-logits auto``: off for the GGUF drafts the paired run found faster without them, on elsewhere."""
+    from treespec.drafters import DEFAULT_LEAF_LOGITS, default_leaf_logits
+
+    assert not default_leaf_logits("model.gguf", "ngram") and not default_leaf_logits("embedded-gguf", "lookup+head")
+    assert default_leaf_logits("embedded-gguf", "head") and default_leaf_logits("embedded", "ngram")
+    assert all(entry.evidence.startswith("benchmarks/results/") for entry in DEFAULT_LEAF_LOGITS.values())
+
+
+def test_a_runner_without_rows_serves_the_default():
+    """A target runner written before ``rows=`` existed still serves the default (every row)."""
+    from treespec.models.runner import ModelRunner
+
+    class OldRunner(ModelRunner):
+        def forward(self, tree, nodes, chain=None, *, need_logits=True, need_hidden=False, feature_layers=()):
+            return super().forward(tree, nodes, chain, need_logits=need_logits, need_hidden=need_hidden,
+                                   feature_layers=feature_layers)
+
+    target = tiny_model("llama", V, seed=0, logit_scale=6.0)
+    cfg = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    prompt = [1, 2, 3, 4, 2, 3, 4, 2, 3]
+    out = generate(OldRunner(target), prompt, NgramDrafter(NgramConfig(min_ngram=1, depth=4, branches=2)), cfg)
+    assert out.token_ids == generate(target, prompt, None, cfg).token_ids

@@ -342,7 +342,7 @@ def test_cli_leaf_logits_keeps_the_greedy_output(tmp_path, capsys, monkeypatch):
         assert main(["generate", "abab abab abab", "--target", str(path), "--max-new-tokens", "12", "--draft",
                      "ngram", "--no-stop", "--json", "--threads", "1", "--leaf-logits", value]) == 0
         outs[value] = json.loads(capsys.readouterr().out)["token_ids"]
-        expected = {"on": True, "off": False, "auto": drafters.default_leaf_logits(str(path))}[value]
+        expected = {"on": True, "off": False, "auto": drafters.default_leaf_logits(str(path), "ngram")}[value]
         assert any(asked) != expected, value  # rows asked for on some pass exactly when leaf logits are off
     assert outs["on"] == outs["off"] == outs["auto"]
 

@@ -238,8 +238,9 @@ def _result(tree: TokenTree, cur: torch.Tensor, token: torch.Tensor, is_bonus: t
     host = packed.tolist()  # the one host sync of a verification
     node, tok, bonus, has, good = host[:5]
     if not good or (vocab is not None and not 0 <= tok < vocab):
-        raise ValueError(f"target_probs has no finite positive mass on the path to node {node}: verifiers "
-                         f"take probabilities (logits_to_probs), every row summing to a positive number")
+        raise ValueError(f"target_probs has a row without finite positive mass among those the verification read "
+                         f"(its path stopped at node {node}): verifiers take probabilities (logits_to_probs), every "
+                         f"row summing to a positive number")
     on_path, tokens = host[5:5 + n], host[5 + n:]
     path = [i for i in range(1, n) if on_path[i]]
     return VerifyResult(path, [tokens[i] for i in path], int(tok) if has else None, bool(bonus))
