@@ -46,6 +46,7 @@ CASES = {  # case: ((per-depth widths, draft law), sampling)
     "deterministic": (((3, 2), "deterministic"), T1),
     "greedy_draft": (((3, 2), "greedy_draft"), T1),
     "spechub": (((2, 2), "spechub"), T1),
+    "block": (((1, 1), "iid"), T1),  # block verification of a chain of 2
 }
 
 

@@ -40,7 +40,8 @@ ALPHA = 1e-3
 #: statistical tests here (marked ``stats``): alpha = 1e-3, fixed numpy/torch seeds per test. For a
 #: G test with N samples and df cells-1, power 0.9 needs noncentrality lambda (df 5: 29.2, df 10: 35.1,
 #: df 20: 43.3, df 40: 54.9), i.e. detects KL >= lambda / (2 N) nats, TV >= sqrt(lambda / (4 N)).
-ALL_VERIFIERS = tuple(VERIFIERS)
+#: the node-rule verifiers (block verification, a path verifier, has its own tests: test_block_verify.py)
+ALL_VERIFIERS = tuple(VERIFIER_RULES)
 
 
 # ====================================================================== independent law enumerators
@@ -806,7 +807,8 @@ def test_shape_mismatches_raise(name):
 
 
 def test_registries_agree():
-    assert set(VERIFIERS) == set(VERIFIER_LAWS) == set(VERIFIER_RULES) == set(LAW_OF_VERIFIER)
+    assert set(VERIFIERS) == set(VERIFIER_LAWS) == set(LAW_OF_VERIFIER)
+    assert set(VERIFIER_RULES) == set(VERIFIERS) - {"block"}  # block verification judges whole chains
     for name, law in LAW_OF_VERIFIER.items():
         assert law in DRAFT_LAWS
         assert VERIFIER_LAWS[name] is None or law in VERIFIER_LAWS[name]
@@ -821,7 +823,7 @@ def test_engine_and_ot_bounds_verifier_tables_agree():
     import ot_bounds.verifiers as ob
 
     spelling = {"greedy_draft": "greedy"}
-    assert set(ob.VERIFIERS) == set(ob.VERIFIER_LAW) == set(LAW_OF_VERIFIER) - {"greedy"}
+    assert set(ob.VERIFIERS) == set(ob.VERIFIER_LAW) == set(LAW_OF_VERIFIER) - {"greedy", "block"}
     for name, law in ob.VERIFIER_LAW.items():
         assert spelling.get(LAW_OF_VERIFIER[name], LAW_OF_VERIFIER[name]) == law, name
 
@@ -871,7 +873,8 @@ def test_ot_bounds_verifier_table_agrees_with_the_engine():
     from ot_bounds.verifiers import VERIFIER_LAW, VERIFIERS as OT_VERIFIERS
 
     engine_law = {"greedy": "greedy_draft"}  # ot_bounds' name of the greedy-drafting law
-    assert set(OT_VERIFIERS) == set(VERIFIERS) - {"greedy"}  # greedy (temperature 0) has no coupling to score
+    # greedy (temperature 0) has no coupling to score; block verification judges chains, not one node's drafts
+    assert set(OT_VERIFIERS) == set(VERIFIERS) - {"greedy", "block"}
     for name in OT_VERIFIERS:
         assert engine_law.get(VERIFIER_LAW[name], VERIFIER_LAW[name]) == LAW_OF_VERIFIER[name], name
     assert set(engine_law.values()) <= set(DRAFT_LAWS)

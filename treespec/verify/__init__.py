@@ -14,6 +14,7 @@ rrs_without_replacement    without_replacement     any (truncated at the support
 deterministic              deterministic           any
 greedy_draft               greedy_draft            any (at most the vocabulary size)
 spechub                    spechub                 1 or 2
+block                      iid                     1 (a chain, verified jointly)
 ========================== ======================= ==================================================
 """
 
@@ -33,8 +34,9 @@ LAW_OF_VERIFIER = {name: ("deterministic" if laws is None else laws[0]) for name
 #: draft law -> the verifier used when none is named (at temperature > 0)
 DEFAULT_VERIFIER = {spec.laws[0]: name for name, spec in SPECS.items() if spec.default}
 
-#: verifier name -> its node rule (what verify_tree samples from and output_law evaluates)
-VERIFIER_RULES = {name: spec.rule for name, spec in SPECS.items()}
+#: verifier name -> its node rule (what verify_tree samples from and output_law evaluates); a path verifier
+#: (``block``) has none
+VERIFIER_RULES = {name: spec.rule for name, spec in SPECS.items() if spec.rule is not None}
 
 __all__ = ["VERIFIERS", "VERIFIER_LAWS", "DEFAULT_VERIFIER", "LAW_OF_VERIFIER", "VERIFIER_RULES", "SPECS",
            "VerifierSpec", "VerifyResult", "output_law", "resolve_verifier", "verifier", "verify_tree"]

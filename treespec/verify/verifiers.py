@@ -17,6 +17,7 @@ import torch
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
 from . import rules
+from .block import verify_block
 from .core import VerifyResult, check_inputs, check_law, verify_tree, verify_tree_greedy
 from .greedy_draft import greedy_draft_rule
 from .kseq import kseq_rule
@@ -29,18 +30,22 @@ Verifier = Callable[..., VerifyResult]
 class VerifierSpec:
     """One verifier.
 
-    rule : the node rule (what :func:`verify_tree` samples from and ``output_law`` evaluates).
+    rule : the node rule (what :func:`verify_tree` samples from and ``output_law`` evaluates); None for a
+        verifier that judges a whole path at once (``run``).
     laws : draft laws it accepts (None: any law, temperature 0 only).
     needs_q : whether it reads the draft probabilities.
     default : the verifier used for trees of law ``laws[0]`` when none is named.
     max_children : children per node it is defined for (None: any), and what to say beyond.
+    run : a path verifier ``(tree, target_probs, draft_probs, generator) -> VerifyResult`` that replaces the
+        node-rule walk (block verification of a chain), or None.
     """
 
-    rule: Callable
+    rule: Callable | None
     laws: tuple[str, ...] | None
     needs_q: bool
     default: bool = False
     max_children: tuple[int, str] | None = None
+    run: Callable[..., VerifyResult] | None = None
 
 
 SPECS: dict[str, VerifierSpec] = {
@@ -64,6 +69,10 @@ SPECS: dict[str, VerifierSpec] = {
     "spechub": VerifierSpec(spechub_rule, ("spechub",), True, default=True, max_children=(
         2, "takes at most 2 children per node (its pair law is defined for two drafts), this tree has a "
            "node with {n}")),
+    # block verification of a chain drawn from q (Sun et al. 2403.10444): the block judged jointly
+    "block": VerifierSpec(None, ("iid",), True, max_children=(
+        1, "verifies a chain (one child per node), this tree has a node with {n}; use 'rrs' for trees"),
+        run=verify_block),
 }
 
 
@@ -81,6 +90,8 @@ def verifier(name: str) -> Verifier:
         check_inputs(tree, target_probs, draft_probs, spec.needs_q, name)
         if spec.laws is None:
             return verify_tree_greedy(tree, target_probs)
+        if spec.run is not None:
+            return spec.run(tree, target_probs, draft_probs, generator)
         return verify_tree(tree, target_probs, draft_probs if spec.needs_q else None, generator, spec.rule)
 
     verify.__name__ = verify.__qualname__ = f"verify_{name}"
