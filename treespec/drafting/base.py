@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..models.runner import TargetView
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
 from ..verify import VerifyResult
@@ -45,15 +46,16 @@ class DraftState:
         predicts the current root token. For a drafter that asks for more target layers
         (:func:`feature_layers`), ``[num_new, (k + 1) * H]``: those layers' outputs, then the last
         hidden state (:mod:`treespec.models.features`).
-    target_runner : the engine's :class:`~treespec.models.runner.ModelRunner` of the target, holding
-        exactly the committed prefix (all but the root); read-only for drafters (an early-exit
-        draft reads its layers' keys/values from it), or None.
+    target_runner : the engine's target runner (a :class:`~treespec.models.runner.TargetView`: a
+        :class:`~treespec.models.runner.ModelRunner` or another target runner), holding exactly the
+        committed prefix (all but the root); read-only for drafters (an early-exit draft reads its
+        layers' keys/values from a ``ModelRunner``), or None.
     """
 
     tokens: list[int]
     max_depth: int
     target_hidden: torch.Tensor | None = None
-    target_runner: object | None = None
+    target_runner: TargetView | None = None
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .head_runner import HeadRunner, head_depth_logits
 from .subset_head import SubsetHead
 
 
@@ -271,16 +272,13 @@ class EagleHead(SubsetHead):
         return outs
 
     # ------------------------------------------------------------------ drafting
-    def as_runner(self):
-        """The head's draft runner (:class:`~treespec.drafting.head_runner.HeadRunner`)."""
-        from .head_runner import HeadRunner  # head_runner builds on this module
-
+    def as_runner(self) -> HeadRunner:
+        """The head's draft runner (:class:`~treespec.drafting.head_runner.HeadRunner`, which reads the
+        head through its :class:`~treespec.drafting.head_runner.DraftHead` interface)."""
         return HeadRunner(self)
 
     def depth_logits(self, target, ids: torch.Tensor, depths: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Per-depth logits along a sequence (:func:`~treespec.drafting.head_runner.head_depth_logits`)."""
-        from .head_runner import head_depth_logits
-
         return head_depth_logits(self, target, ids, depths)
 
 

@@ -32,25 +32,90 @@ against the per-path reference (:func:`head_depth_logits` on the node's own root
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-from ..models.runner import start_forward
+from ..models.runner import CacheBook, DraftObservation, HoldsCacheBook
 from ..tree import TokenTree
-from .base import DraftState
-from .head import EagleHead
 
 
-class HeadRunner:
+class DraftHeadShape(Protocol):
+    """The sizes a :class:`HeadRunner` reads of its head's config (:class:`~treespec.drafting.head.HeadConfig`)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def target_vocab_size(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]: ...
+
+
+class DraftHeadLayer(Protocol):
+    """The head's one decoder layer, in the two halves the runner calls around its own attention."""
+
+    def qkv_heads(self, x: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[B, T, H]`` at ``positions`` ``[B, T]`` -> rotated q, k, v ``[B, heads, T, head_dim]``."""
+
+    def finish(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """The layer's output ``[B, T, H]`` from its input ``x`` and the attention ``att``."""
+
+
+class DraftHead(Protocol):
+    """What :class:`HeadRunner` and :func:`head_depth_logits` read of a head: the surface of
+    :class:`~treespec.drafting.head.EagleHead`, named here so that this module builds on the head's
+    interface and not on its module (``head`` imports this one to make its runner)."""
+
+    vocab_ids: torch.Tensor  # [|S|] the head's vocabulary subset
+
+    @property
+    def cfg(self) -> DraftHeadShape: ...
+
+    @property
+    def attached(self) -> bool: ...
+
+    @property
+    def hidden_norm(self) -> torch.nn.Module: ...
+
+    @property
+    def layer(self) -> DraftHeadLayer: ...
+
+    def eval(self) -> "DraftHead": ...
+
+    def own_features(self, features: torch.Tensor) -> torch.Tensor: ...
+
+    def target_input(self, features: torch.Tensor) -> torch.Tensor: ...
+
+    def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def out_norm(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, feature: torch.Tensor, float32: bool = True) -> torch.Tensor: ...
+
+    def unroll(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, depths: int
+               ) -> list[torch.Tensor]: ...
+
+
+class HeadRunner(HoldsCacheBook):
     """Runner interface (``reset``, ``forward``, ``commit``, ``length``) over an attached head.
 
     Parameters
     ----------
-    head : EagleHead
-        A head attached to its target (:meth:`EagleHead.attach`).
+    head : DraftHead
+        A head attached to its target (:meth:`~treespec.drafting.head.EagleHead.attach`).
     """
 
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: DraftHead) -> None:
         if not head.attached:
             raise ValueError("attach the head to the target before drafting")
         self.head = head.eval()
@@ -70,13 +135,11 @@ class HeadRunner:
         # cheaper than over bf16 on CPU); entries [0, entries) are committed, then one per uncommitted slot
         self._kv = torch.zeros(2, cfg.num_heads, 0, cfg.head_dim, device=self.device)  # [2, heads, capacity, hd]
         self.entries = 0  # committed cache entries
-        self.length = 0  # committed tokens covered (position 0 has no entry)
-        self.slots: list[int] = []  # tree node of each uncommitted entry, in order
+        # length: committed tokens covered (position 0 has no entry); slots: tree node of each uncommitted entry
+        self.book = CacheBook()
         self._slot_nodes = torch.zeros(0, dtype=torch.long)  # the same nodes as a tensor (where the tree's are)
         self._features = torch.zeros(0, cfg.hidden_size, device=self.device)  # [capacity, H] fed nodes' outputs
         self._fed: set[int] = set()  # tree nodes fed so far (their rows of _features are valid)
-        self.tree: TokenTree | None = None
-        self.root_position = 0
         self.hidden: torch.Tensor | None = None  # [rows, F] target features (F = head.cfg.feature_width)
         self.hidden_first = 0  # position of hidden row 0
 
@@ -96,7 +159,7 @@ class HeadRunner:
             grown[:, :, : self._kv.shape[2]] = self._kv
             self._kv = grown
 
-    def observe(self, state: DraftState) -> None:
+    def observe(self, state: DraftObservation) -> None:
         """Take the target's hidden states of the newly committed positions (start of a proposal).
 
         ``state.target_hidden`` row ``i`` is the state at position ``root - rows + i``. The last row
@@ -144,8 +207,9 @@ class HeadRunner:
         of the nodes' indices and parents to the host per call).
         """
         device, head = self.device, self.head
-        base, used = self.length, self.entries + len(self.slots)
-        m, n = start_forward(self, tree, nodes, chain)
+        book = self.book
+        base, used = book.length, self.entries + len(book.slots)
+        m, n = book.begin(tree, nodes, chain)
         m_entries = m - int(base == 0) if m else 0  # the chain's entries: positions >= 1 only
         inputs, toks, pos = [], [], []
         if m_entries:  # each from the true hidden state one position back
@@ -187,7 +251,7 @@ class HeadRunner:
                                                  self._kv[1:2, :, :total], attn_mask=mask)  # [1, heads, n, hd]
             node_out = head.out_norm(head.layer.finish(x[:, m_entries:], att.to(x.dtype)))[0]  # [n, H]
         self.entries += m_entries
-        self.length = base + m
+        book.finish(base, m, node_list if n else [])  # the chain is committed, the nodes join the slots
         result: dict[str, torch.Tensor] = {}
         if n:
             if tree.num_nodes > self._features.shape[0]:  # grow the per-node table to the tree
@@ -197,7 +261,6 @@ class HeadRunner:
                 self._features = grown
             self._features[nodes.to(device)] = node_out.float()
             self._fed.update(node_list)
-            self.slots.extend(node_list)
             self._slot_nodes = torch.cat([self._slot_nodes.to(nodes.device), nodes])  # the same nodes, a tensor
             if need_logits == "subset":
                 result["logits"] = head.logits(node_out)  # [n, |S|]
@@ -257,18 +320,19 @@ class HeadRunner:
         if keep_root and self.slots[0] != 0:
             raise RuntimeError("the root must be the first tree entry")
         self.entries += int(keep_root)  # the dropped entries are overwritten by the next call
-        self.length += int(keep_root)
-        self.slots, self._fed, self.tree = [], set(), None
+        self.book.committed(int(keep_root))
+        self._fed = set()
         self._slot_nodes = self._slot_nodes[:0]
 
 
-def head_depth_logits(head: EagleHead, target, ids: torch.Tensor, depths: int
+def head_depth_logits(head: DraftHead, target, ids: torch.Tensor, depths: int
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Target logits and the head's logits at tree depths ``1..depths`` along one sequence (measurement).
 
-    Emulates, in one parallel pass per depth (:meth:`EagleHead.unroll`), what :class:`HeadRunner`
-    computes inside a tree whose path follows the sequence: the depth-``k`` distribution at position
-    ``j`` comes from the node at position ``j`` whose root sits at ``r = j - k + 1``.
+    Emulates, in one parallel pass per depth (:meth:`~treespec.drafting.head.EagleHead.unroll`), what
+    :class:`HeadRunner` computes inside a tree whose path follows the sequence: the depth-``k``
+    distribution at position ``j`` comes from the node at position ``j`` whose root sits at
+    ``r = j - k + 1``.
     Returns ``t_logits`` ``[L - 1, V]`` (row ``i`` = position ``i + 1``) and, per depth ``k``, the head's
     logits ``[L - 1, V]`` whose first ``k - 1`` rows are undefined (NaN: no root before position 1).
     """

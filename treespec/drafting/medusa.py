@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.runner import DraftObservation
 from ..tree import TokenTree
-from .base import DraftState
 from .subset_head import SubsetHead
 
 
@@ -142,7 +142,7 @@ class MedusaRunner:
         self.depth_logits: torch.Tensor | None = None  # [K, |S|] subset logits of depth 1..K for this proposal
 
     @torch.no_grad()
-    def observe(self, state: DraftState) -> None:
+    def observe(self, state: DraftObservation) -> None:
         """Run every head on the target's hidden state just before the root (start of a proposal)."""
         hid = state.target_hidden
         if hid is None or hid.shape[0] == 0:

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .kv_cache import TreeKVCache, TreeKVLayer
-from .runner import ModelRunner
+from .runner import CacheBook, DraftObservation, ModelRunner
 
 #: key under which an early-exit model records (target, num_layers) in its ``__dict__`` (not a submodule)
 EARLY_EXIT_KEY = "treespec_early_exit"
@@ -80,10 +80,13 @@ class SharedCacheRunner(ModelRunner):
         super().reset()
         self.sharing = False
 
-    def observe(self, state) -> None:
-        """Adopt the target's committed cache (see the class docs); no-op without a usable one."""
-        target = getattr(state, "target_runner", None)
-        if target is None or target.model is not self.target_model or target.slots:
+    def observe(self, state: DraftObservation) -> None:
+        """Adopt the target's committed cache (see the class docs); no-op without a usable one (no
+        target runner, another model's, one holding tree nodes, or one whose cache is not a
+        :class:`ModelRunner`'s)."""
+        target = state.target_runner
+        if (target is None or target.model is not self.target_model or target.slots
+                or not isinstance(target, ModelRunner)):
             if self.sharing:  # cannot go back to a private cache mid-sequence: rebuild it from scratch
                 super().reset()
             self.sharing = False
@@ -98,9 +101,9 @@ class SharedCacheRunner(ModelRunner):
             dst._k, dst._v, dst._len = src._k, src._v, target.length
             cache.layers.append(dst)
         self.cache = cache
-        self.length = target.length
+        self.book = CacheBook(length=target.length)  # the target's committed prefix, no tree
         self.key_positions = target.key_positions[: target.length].clone()
-        self.slots, self.tree, self.sharing = [], None, True
+        self.sharing = True
 
     def commit(self, nodes: list[int]) -> None:
         if not self.sharing:
@@ -109,4 +112,4 @@ class SharedCacheRunner(ModelRunner):
         for layer in self.cache.layers:  # drop the tree entries; the committed part is the target's
             layer._len = self.length
         self.key_positions = self.key_positions[: self.length]
-        self.slots, self.tree = [], None
+        self.book.committed(0)  # a rollback: the target committed the accepted path itself

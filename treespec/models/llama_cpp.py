@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..tree import TokenTree
+from .runner import DraftObservation
 
 #: the most sequence ids llama.cpp takes (``LLAMA_MAX_SEQ``): one for the prefix, the rest for paths
 MAX_SEQ = 256
@@ -200,7 +201,7 @@ class LlamaCppRunner:
     def as_runner(self) -> "LlamaCppRunner":
         return self
 
-    def observe(self, state) -> None:
+    def observe(self, state: DraftObservation) -> None:
         """Reads only tokens: nothing to take from the engine."""
 
     # ------------------------------------------------------------------ state

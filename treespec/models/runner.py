@@ -3,7 +3,9 @@
 The cache holds the *committed* sequence except its newest token (the pending root of the next
 tree): ``runner.length == len(sequence) - 1`` after every step. A forward call appends a chain of
 committed tokens and/or some nodes of a tree; ``commit`` keeps the accepted root path by index
-selection on every layer's keys and values (nothing is ever re-run) and drops the rest.
+selection on every layer's keys and values (nothing is ever re-run) and drops the rest. Which entry
+holds what (the committed length, the tree nodes after it, the tree and its root position) is the
+runner's :class:`CacheBook`, the one place that bookkeeping changes; the runner moves the tensors.
 
 Masks are 4-D additive float masks ``[1, 1, queries, keys]`` (0 = attend, dtype min = blocked)
 with explicit ``position_ids``; models with sliding-window layers (Gemma-2/3, Mistral) get a dict
@@ -18,6 +20,7 @@ prompt instead of quadratically (a 30k-token prompt asked for a 7.2 GB mask in o
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -51,28 +54,124 @@ def _layer_window_types(config) -> tuple[list[str] | None, int | None]:
     return None, None
 
 
-def start_forward(runner, tree: TokenTree | None, nodes: torch.Tensor | None,
-                  chain: torch.Tensor | None) -> tuple[int, int]:
-    """Checks and tree bookkeeping shared by every runner's ``forward``: returns (chain length, nodes).
+@dataclass(eq=False)
+class CacheBook:
+    """The bookkeeping of a tree-extensible KV cache: which entries are committed, which tree nodes follow.
 
-    The first call of a tree records it and its root position (right after the committed prefix and
-    the chain); later calls of the same tree, grown level by level, keep the indices of its earlier
-    nodes."""
-    m = 0 if chain is None else chain.numel()
-    n = 0 if nodes is None else nodes.numel()
-    if m + n == 0:
-        raise ValueError("nothing to forward")
-    if m and runner.slots:
-        raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
-    if n:
-        if tree is None:
-            raise ValueError("tree nodes need their tree")
-        if not runner.slots:
-            runner.tree, runner.root_position = tree, runner.length + m
-        elif tree.num_nodes < runner.tree.num_nodes:
-            raise RuntimeError("uncommitted nodes of another tree are still in the cache")
-        runner.tree = tree
-    return m, n
+    A runner holds one (``runner.book``) and moves its own keys and values; the book alone decides
+    what they mean. ``length`` entries hold the committed prefix; then come the uncommitted entries
+    of one tree, ``slots[i]`` the node of entry ``length + i``, in the order they were fed; ``tree``
+    is that tree (None when no node is cached) and ``root_position`` the position of its root (right
+    after the committed prefix and the chain fed with its first nodes).
+    """
+
+    length: int = 0  # committed entries
+    slots: list[int] = field(default_factory=list)  # tree node of each uncommitted entry, in order
+    tree: TokenTree | None = None
+    root_position: int = 0
+
+    def begin(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None
+              ) -> tuple[int, int]:
+        """Check one forward of ``chain`` (``[m]`` committed tokens) then tree ``nodes`` (``[n]``) and
+        record its tree: returns ``(m, n)``.
+
+        The first call of a tree records it and its root position (right after the committed prefix
+        and the chain); later calls of the same tree, grown level by level, keep the indices of its
+        earlier nodes."""
+        m = 0 if chain is None else chain.numel()
+        n = 0 if nodes is None else nodes.numel()
+        if m + n == 0:
+            raise ValueError("nothing to forward")
+        if m and self.slots:
+            raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
+        if n:
+            if tree is None:
+                raise ValueError("tree nodes need their tree")
+            if not self.slots:
+                self.tree, self.root_position = tree, self.length + m
+            elif tree.num_nodes < self.tree.num_nodes:
+                raise RuntimeError("uncommitted nodes of another tree are still in the cache")
+            self.tree = tree
+        return m, n
+
+    def inputs(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None,
+               device: torch.device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """:meth:`begin`, then the token ids ``[m + n]`` and positions ``[m + n]`` of one forward: the
+        chain right after the committed prefix, tree nodes at their depth past the root's position."""
+        base = self.length
+        m, n = self.begin(tree, nodes, chain)
+        ids_parts, pos_parts = [], []
+        if m:
+            ids_parts.append(chain.to(device))
+            pos_parts.append(torch.arange(base, base + m, device=device))
+        if n:
+            ids_parts.append(tree.tokens[nodes])
+            pos_parts.append(tree.depths[nodes] + self.root_position)
+        ids = torch.cat(ids_parts) if len(ids_parts) > 1 else ids_parts[0]  # [m + n]
+        q_pos = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]  # [m + n]
+        return m, n, ids, q_pos
+
+    def visible_keys(self, nodes: torch.Tensor | None, m: int, n: int, base: int, total: int,
+                     device: torch.device) -> torch.Tensor:
+        """``[m + n, total]`` bool: which cached keys each new query of a forward sees (after
+        :meth:`begin`, before :meth:`finish`; ``base`` the committed length before the call). The
+        committed prefix (and the chain, causally) for everyone; among tree nodes, their ancestors
+        (earlier nodes of this tree sit right after the prefix, in ``slots`` order, the new ones at the
+        end)."""
+        visible = torch.zeros(m + n, total, dtype=torch.bool, device=device)
+        visible[:, :base] = True
+        if m:
+            visible[:m, base:base + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+            visible[m:, base:base + m] = True
+        if n:
+            key_nodes = torch.tensor(self.slots + nodes.tolist(), dtype=torch.long, device=device)
+            visible[m:, base + m:] = self.tree.ancestor_mask[nodes][:, key_nodes]  # [n, slots + n]
+        return visible
+
+    def finish(self, base: int, m: int, nodes: list[int]) -> None:
+        """After a forward from committed length ``base``: its ``m`` chain tokens are committed, its
+        tree ``nodes`` join ``slots``."""
+        if m:
+            self.length = base + m
+        self.slots.extend(nodes)
+
+    def kept_entries(self, path: list[int]) -> list[int]:
+        """Cache indices of the entries of ``path`` (an accepted root path, in order) that are cached;
+        nodes never fed (e.g. draft leaves) are skipped. Reads only: :meth:`committed` follows once
+        the runner has moved those entries to ``length, length + 1, ...``."""
+        where = {node: i for i, node in enumerate(self.slots)}
+        return [self.length + where[node] for node in path if node in where]
+
+    def committed(self, kept: int) -> None:
+        """``kept`` more entries are committed (an accepted path, moved into place); every other
+        uncommitted entry is dropped (``kept = 0``: a rollback to the committed prefix)."""
+        self.length += kept
+        self.slots = []
+        self.tree = None
+
+
+class HoldsCacheBook:
+    """A runner whose cache bookkeeping lives in ``self.book`` (a :class:`CacheBook`): read-only views
+    of its fields under the runner names the engine, the drafters and the tests read."""
+
+    book: CacheBook
+
+    @property
+    def length(self) -> int:
+        """Committed entries (``len(sequence) - 1`` between steps)."""
+        return self.book.length
+
+    @property
+    def slots(self) -> list[int]:
+        return self.book.slots
+
+    @property
+    def tree(self) -> TokenTree | None:
+        return self.book.tree
+
+    @property
+    def root_position(self) -> int:
+        return self.book.root_position
 
 
 def chain_pieces(chain: torch.Tensor | None, nodes: torch.Tensor | None, rows: torch.Tensor | None, size: int
@@ -109,60 +208,44 @@ def join_pieces(results: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return {key: torch.cat([r[key] for r in results]) for key in results[0]}
 
 
-def forward_inputs(runner, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None
-                   ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """:func:`start_forward`, then the token ids ``[m + n]`` and positions ``[m + n]`` of one forward:
-    the chain right after the committed prefix, tree nodes at their depth past the root's position."""
-    device, base = runner.device, runner.length
-    m, n = start_forward(runner, tree, nodes, chain)
-    ids_parts, pos_parts = [], []
-    if m:
-        ids_parts.append(chain.to(device))
-        pos_parts.append(torch.arange(base, base + m, device=device))
-    if n:
-        ids_parts.append(tree.tokens[nodes])
-        pos_parts.append(tree.depths[nodes] + runner.root_position)
-    ids = torch.cat(ids_parts) if len(ids_parts) > 1 else ids_parts[0]  # [m + n]
-    q_pos = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]  # [m + n]
-    return m, n, ids, q_pos
+class TargetView(Protocol):
+    """What a drafter may read of the engine's target runner (``DraftState.target_runner``; read-only).
+
+    ``model`` is the causal LM behind it (None for a GGUF target), ``length`` its committed entries
+    (the committed sequence but the root), ``slots`` the tree nodes it holds uncommitted (empty
+    between steps). Every target runner has these; a drafter that needs the cache itself (an
+    early-exit draft reads the keys and values of the target's first layers) narrows to
+    :class:`ModelRunner` first."""
+
+    @property
+    def model(self) -> PreTrainedModel | None: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def slots(self) -> list[int]: ...
 
 
-def visible_keys(runner, nodes: torch.Tensor | None, m: int, n: int, base: int, total: int) -> torch.Tensor:
-    """``[m + n, total]`` bool: which cached keys each new query sees. The committed prefix (and
-    the chain, causally) for everyone; among tree nodes, their ancestors (earlier nodes of this tree
-    sit right after the prefix, in ``runner.slots`` order, the new ones at the end)."""
-    device = runner.device
-    visible = torch.zeros(m + n, total, dtype=torch.bool, device=device)
-    visible[:, :base] = True
-    if m:
-        visible[:m, base:base + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-        visible[m:, base:base + m] = True
-    if n:
-        key_nodes = torch.tensor(runner.slots + nodes.tolist(), dtype=torch.long, device=device)
-        visible[m:, base + m:] = runner.tree.ancestor_mask[nodes][:, key_nodes]  # [n, slots + n]
-    return visible
+class DraftObservation(Protocol):
+    """What a draft runner reads of the engine's state at the start of a proposal
+    (:meth:`DraftRunner.observe`); :class:`~treespec.drafting.base.DraftState` is the engine's.
 
+    ``tokens``: the committed sequence (its last token the root); ``max_depth``: the deepest the tree
+    may go; ``target_hidden``: ``[num_new, F]`` the target's features at the newly committed positions,
+    or None; ``target_runner``: the engine's target runner, or None."""
 
-def finish_forward(runner, hidden: torch.Tensor, base: int, m: int, nodes: torch.Tensor | None,
-                   need_logits: bool, need_hidden: bool, features: torch.Tensor | None = None,
-                   rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Bookkeeping after a forward (the chain is committed, the nodes join ``slots``) and its result:
-    ``logits`` from the last hidden state ``hidden``; ``hidden`` = ``features`` when given (the last
-    hidden state joined with earlier layers, :mod:`treespec.models.features`), else ``hidden``; only
-    the rows ``rows`` ``[R]`` of both when given (the LM head runs on those alone)."""
-    if m:
-        runner.length = base + m
-    if nodes is not None and nodes.numel():
-        runner.slots.extend(nodes.tolist())
-    if rows is not None:
-        hidden = hidden.index_select(0, rows)  # [R, H]
-        features = None if features is None else features.index_select(0, rows)
-    result = {}
-    if need_logits:
-        result["logits"] = runner.logits(hidden)
-    if need_hidden:
-        result["hidden"] = hidden if features is None else features
-    return result
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def max_depth(self) -> int: ...
+
+    @property
+    def target_hidden(self) -> torch.Tensor | None: ...
+
+    @property
+    def target_runner(self) -> TargetView | None: ...
 
 
 class DraftRunner(Protocol):
@@ -175,13 +258,16 @@ class DraftRunner(Protocol):
     model: PreTrainedModel | None
     device: torch.device
     vocab_size: int
-    length: int
+
+    @property
+    def length(self) -> int: ...
 
     def reset(self) -> None:
         """Start a new sequence (empty cache)."""
 
-    def observe(self, state) -> None:
-        """Read what the engine offers at the start of a proposal (a :class:`DraftState`)."""
+    def observe(self, state: DraftObservation) -> None:
+        """Read what the engine offers at the start of a proposal (a
+        :class:`~treespec.drafting.base.DraftState`)."""
 
     def forward(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None = None,
                 *, need_logits: bool | str = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
@@ -207,8 +293,13 @@ class TargetRunner(Protocol):
     model: PreTrainedModel | None
     device: torch.device
     vocab_size: int
-    length: int
     max_positions: int | None
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def slots(self) -> list[int]: ...
 
     def reset(self) -> None: ...
 
@@ -244,7 +335,7 @@ def as_runner(source) -> DraftRunner:
     return make() if make is not None else ModelRunner(source)
 
 
-class ModelRunner:
+class ModelRunner(HoldsCacheBook):
     """Wraps a causal LM: tree forwards over a rollback-able KV cache.
 
     Parameters
@@ -271,16 +362,13 @@ class ModelRunner:
         return self
 
     # ------------------------------------------------------------------ state
-    def observe(self, state) -> None:
+    def observe(self, state: DraftObservation) -> None:
         """A causal LM reads only tokens: nothing to take from the engine."""
 
     def reset(self) -> None:
         self.cache = TreeKVCache()  # every layer keeps all keys; sliding windows live in the masks
-        self.length = 0  # committed entries in the cache
         self.key_positions = torch.empty(0, dtype=torch.long, device=self.device)  # [cache entries]
-        self.slots: list[int] = []  # tree node held by each uncommitted cache entry, in order
-        self.tree: TokenTree | None = None
-        self.root_position = 0
+        self.book = CacheBook()  # committed length, then the tree node held by each uncommitted entry
 
     # ------------------------------------------------------------------ forward
     def _masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
@@ -322,11 +410,12 @@ class ModelRunner:
                        need_logits: bool, need_hidden: bool, layers: tuple[int, ...],
                        rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """One model call of :meth:`forward` (``layers``: checked feature layers; ``rows``: this call's)."""
-        base = self.length
-        m, n, ids, q_pos = forward_inputs(self, tree, nodes, chain)
+        book = self.book
+        base = book.length
+        m, n, ids, q_pos = book.inputs(tree, nodes, chain, self.device)
         past = self.key_positions.numel()
         k_pos = torch.cat([self.key_positions, q_pos])  # [past + m + n]
-        mask = self._masks(visible_keys(self, nodes, m, n, base, past + m + n), q_pos, k_pos)
+        mask = self._masks(book.visible_keys(nodes, m, n, base, past + m + n, self.device), q_pos, k_pos)
         out = self.model.base_model(
             input_ids=ids[None], attention_mask=mask, position_ids=q_pos[None],
             past_key_values=self.cache, use_cache=True, output_hidden_states=bool(layers),
@@ -338,7 +427,26 @@ class ModelRunner:
             features = join_features({i: outputs[i][0] for i in layers}, last, layers)
         else:
             features = None
-        return finish_forward(self, last, base, m, nodes, need_logits, need_hidden, features, rows)
+        return self._finish(last, base, m, nodes, need_logits, need_hidden, features, rows)
+
+    def _finish(self, hidden: torch.Tensor, base: int, m: int, nodes: torch.Tensor | None,
+                need_logits: bool, need_hidden: bool, features: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """After one model call from committed length ``base``: the book takes the chain (committed) and
+        the ``nodes`` (new slots); the result has ``logits`` from the last hidden state ``hidden``
+        ``[m + n, H]`` and ``hidden`` = ``features`` when given (the last hidden state joined with
+        earlier layers, :mod:`treespec.models.features`), else ``hidden``; only the rows ``rows``
+        ``[R]`` of both when given (the LM head runs on those alone)."""
+        self.book.finish(base, m, nodes.tolist() if nodes is not None else [])
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)  # [R, H]
+            features = None if features is None else features.index_select(0, rows)
+        result = {}
+        if need_logits:
+            result["logits"] = self.logits(hidden)
+        if need_hidden:
+            result["hidden"] = hidden if features is None else features
+        return result
 
     def _feature_layers(self, layers) -> tuple[int, ...]:
         """``layers`` checked against this model (cached per distinct request: hot path)."""
@@ -365,18 +473,16 @@ class ModelRunner:
         Nodes that were never fed to this model (e.g. draft leaves) are skipped: the caller feeds
         them later as a committed chain. Every other uncommitted entry is dropped.
         """
-        where = {node: i for i, node in enumerate(self.slots)}
-        kept = [self.length + where[node] for node in nodes if node in where]
-        if kept == list(range(self.length, self.length + len(kept))):  # already in place: truncate
-            self.cache.keep(self.length + len(kept), torch.empty(0, dtype=torch.long, device=self.device))
+        length = self.book.length
+        kept = self.book.kept_entries(nodes)
+        if kept == list(range(length, length + len(kept))):  # already in place: truncate
+            self.cache.keep(length + len(kept), torch.empty(0, dtype=torch.long, device=self.device))
         else:
             slots = torch.tensor(kept, dtype=torch.long, device=self.device)
-            self.cache.keep(self.length, slots)
-            self.key_positions[self.length: self.length + len(kept)] = self.key_positions[slots]
-        self.key_positions = self.key_positions[: self.length + len(kept)]
-        self.length += len(kept)
-        self.slots = []
-        self.tree = None
+            self.cache.keep(length, slots)
+            self.key_positions[length: length + len(kept)] = self.key_positions[slots]
+        self.key_positions = self.key_positions[: length + len(kept)]
+        self.book.committed(len(kept))
 
     @property
     def cache_length(self) -> int:

@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 from ...sampling import check_finite
 from ...tree import TokenTree
 from ..features import join_features
-from ..runner import ModelRunner, finish_forward, forward_inputs, visible_keys
+from ..runner import CacheBook, ModelRunner
 from .allocator import keep_large_allocations
 from .packed import pack_weight, packed_linear, prepack_default
 from .quant import QUANTIZE_MODES, int4_linear, quantize_int4
@@ -206,10 +206,7 @@ class FastGemmaRunner(ModelRunner):
             self.kv = StaticKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
                                     self.device, self._capacity, self.max_positions)
         self.kv.clear()  # the buffers stay allocated for the next request
-        self.length = 0
-        self.slots: list[int] = []
-        self.tree: TokenTree | None = None
-        self.root_position = 0
+        self.book = CacheBook()
 
     @property
     def cache(self):
@@ -264,20 +261,20 @@ class FastGemmaRunner(ModelRunner):
                        need_logits: bool, need_hidden: bool, layers: tuple[int, ...],
                        rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """One model call of :meth:`ModelRunner.forward` (which cuts long chains into pieces)."""
-        kv = self.kv
-        base = self.length
-        m, n, ids, q_pos = forward_inputs(self, tree, nodes, chain)
+        kv, book = self.kv, self.book
+        base = book.length
+        m, n, ids, q_pos = book.inputs(tree, nodes, chain, self.device)
         past = kv.used
         total = past + m + n
         kv.reserve(total)
         kv.positions[past:total] = q_pos
         k_pos = kv.positions[:total]
-        masks = self._masks(visible_keys(self, nodes, m, n, base, total), q_pos, k_pos)
+        masks = self._masks(book.visible_keys(nodes, m, n, base, total, self.device), q_pos, k_pos)
         outputs: dict[int, torch.Tensor] = {}
         hidden = self._body(ids, q_pos, masks, past, total, layers, outputs)
         kv.used = total
         features = join_features(outputs, hidden, layers) if layers else None
-        return finish_forward(self, hidden, base, m, nodes, need_logits, need_hidden, features, rows)
+        return self._finish(hidden, base, m, nodes, need_logits, need_hidden, features, rows)
 
     def _body(self, ids: torch.Tensor, q_pos: torch.Tensor, masks: dict, past: int, total: int,
               layers: tuple[int, ...] = (), outputs: dict | None = None) -> torch.Tensor:
@@ -327,12 +324,10 @@ class FastGemmaRunner(ModelRunner):
     # ------------------------------------------------------------------ cache commit
     def commit(self, nodes: list[int]) -> None:
         """Same contract as :meth:`ModelRunner.commit`."""
-        where = {node: i for i, node in enumerate(self.slots)}
-        kept = [self.length + where[node] for node in nodes if node in where]
-        if kept == list(range(self.length, self.length + len(kept))):  # already in place: truncate
-            self.kv.used = self.length + len(kept)
+        length = self.book.length
+        kept = self.book.kept_entries(nodes)
+        if kept == list(range(length, length + len(kept))):  # already in place: truncate
+            self.kv.used = length + len(kept)
         else:
-            self.kv.keep(self.length, torch.tensor(kept, dtype=torch.long, device=self.device))
-        self.length += len(kept)
-        self.slots = []
-        self.tree = None
+            self.kv.keep(length, torch.tensor(kept, dtype=torch.long, device=self.device))
+        self.book.committed(len(kept))
