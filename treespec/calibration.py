@@ -15,6 +15,8 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -71,68 +73,111 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
         raise ValueError(f"score_from has {len(score_from)} entries for {len(prompts)} prompts")
     law = "deterministic" if sampling.greedy else law
     name = resolve_verifier("auto" if sampling.greedy else verifier or "auto", law, sampling)
-    rule = VERIFIER_RULES[name]
+    setup = _Scoring(law=law, rule=VERIFIER_RULES[name], sampling=sampling, width=width, chunk=chunk,
+                     vocab=target.get_output_embeddings().weight.shape[0],
+                     is_head=isinstance(draft, SubsetHead),  # drafts from the target's hidden states
+                     skip_unscored=skip_unscored, generator=generator)
     total = torch.zeros(depths, width + 1, dtype=torch.float64)
     weight = torch.zeros(depths, dtype=torch.float64)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    is_head = isinstance(draft, SubsetHead)  # drafts from the target's hidden states
     for index, ids in enumerate(prompts):
         ids = list(ids)[:max_positions]
         if len(ids) < 2:
             continue
         gen = 0 if score_from is None else int(score_from[index])
-        x = torch.tensor([ids])
-        if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
-            t_logits, per_depth = draft.depth_logits(target, x, depths)
-            nxt = x[0, 2:]  # the text token each row predicts
-        else:  # a causal LM reads the true context at every depth: the same rows serve each depth
-            t_logits = target(x).logits[0].float()  # [L, V]
-            per_depth = [draft(x).logits[0].float()] * depths
-            nxt = x[0, 1:]
-        rows_n = t_logits.shape[0]
-        predicted = torch.arange(rows_n, dtype=torch.float64) + (2 if is_head else 1)  # position of row's token
-        text_ok = torch.zeros(rows_n, dtype=torch.float64)  # P(the next text token is drafted and accepted)
-        reach = torch.ones(rows_n, dtype=torch.float64)  # P(the path to this row's node was accepted)
-        for k, d_logits in enumerate(per_depth):
-            if k:  # level k+1 at row i hangs below level k at row i - 1
-                reach = torch.cat([reach.new_zeros(1), (reach * text_ok)[:-1]])
-            if d_logits.shape[-1] < vocab:
-                d_logits = torch.nn.functional.pad(d_logits, (0, vocab - d_logits.shape[-1]), value=float("-inf"))
-            text_ok = torch.zeros(rows_n, dtype=torch.float64)
-            first = k if is_head else 0  # a head has no depth-(k+1) node in its first k rows
-            if skip_unscored:  # rows predicting a position before gen + k weigh 0 here and feed no deeper row
-                first = max(first, gen + k - int(predicted[0]))
-            for s in range(first, rows_n, chunk):
-                e = min(s + chunk, rows_n)
-                p = logits_to_probs(t_logits[s:e], sampling)
-                if law == "deterministic":
-                    q = None
-                    drafts = draw_children(d_logits[s:e], width, "deterministic")
-                else:
-                    q = logits_to_probs(d_logits[s:e], sampling)
-                    drafts = draw_children(q, width, law, generator)
-                choice, _ = rule(p, q, drafts.tokens, drafts.valid)  # [M, W + 1]
-                choice = choice.double().clamp(min=0).cpu()
-                w = reach[s:e] * (predicted[s:e] >= gen + k)  # root (at position - k - 1) >= gen - 1
-                total[k] += (w[:, None] * choice).sum(dim=0)
-                weight[k] += w.sum()
-                if k + 1 < depths:
-                    m = min(e, nxt.numel()) - s  # rows with a next text token
-                    if m > 0:
-                        hit = (drafts.tokens[:m].cpu() == nxt[s:s + m, None]) & drafts.valid[:m].cpu()
-                        text_ok[s:s + m] = (choice[:m, :width] * hit.double()).sum(dim=1)
-    rows = []
-    for k in range(depths):
-        if k and weight[k] < min_weight:
-            rows.append(list(rows[-1]))
-        else:
-            rows.append((total[k, :width] / max(float(weight[k]), 1e-12)).tolist())
+        t_logits, per_depth, nxt = _prompt_logits(target, draft, ids, depths, setup.is_head)
+        _score_prompt(t_logits, per_depth, nxt, gen, setup, total, weight)
+    rows = _depth_rows(total, weight, width, min_weight)
     acc = rows[0]
     meta = {"law": law, "verifier": name, "width": width, "temperature": sampling.temperature,
             "top_k": sampling.top_k, "top_p": sampling.top_p, "positions": int(weight[0]), "prompts": len(prompts),
             "reject_all": float(total[0, width] / max(float(weight[0]), 1e-12)), "depths": depths,
             "depth_weights": [float(w) for w in weight]}
     return AcceptanceVector(acc, conditional_from_unconditional(acc), meta, rows if depths > 1 else [])
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """How :func:`measure_acceptance_vector` drafts and verifies at every position."""
+
+    law: str  # drafting law ("deterministic" at temperature 0)
+    rule: Callable  # the verifier's exact acceptance rule (VERIFIER_RULES[name])
+    sampling: SamplingConfig
+    width: int  # children drawn per position
+    chunk: int  # positions per verifier call
+    vocab: int  # the target's vocabulary size (draft logits are padded to it)
+    is_head: bool  # the draft reads the target's hidden states (a SubsetHead)
+    skip_unscored: bool
+    generator: torch.Generator | None
+
+
+def _prompt_logits(target, draft, ids: list[int], depths: int,
+                   is_head: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Teacher-forced logits of one prompt: the target's ``[R, V]``, the draft's per depth (``depths`` tensors
+    ``[R, V_draft]``) and the text token each row predicts ``[R']`` (``R' <= R``)."""
+    x = torch.tensor([ids])
+    if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
+        t_logits, per_depth = draft.depth_logits(target, x, depths)
+        return t_logits, per_depth, x[0, 2:]  # the text token each row predicts
+    # a causal LM reads the true context at every depth: the same rows serve each depth
+    t_logits = target(x).logits[0].float()  # [L, V]
+    return t_logits, [draft(x).logits[0].float()] * depths, x[0, 1:]
+
+
+def _score_prompt(t_logits: torch.Tensor, per_depth: list[torch.Tensor], nxt: torch.Tensor, gen: int,
+                  setup: _Scoring, total: torch.Tensor, weight: torch.Tensor) -> None:
+    """Add one prompt's weighted acceptance per depth and rank to ``total`` ``[depths, W + 1]`` and its
+    weights to ``weight`` ``[depths]`` (scored from position ``gen`` on)."""
+    is_head, depths = setup.is_head, len(per_depth)
+    rows_n = t_logits.shape[0]
+    predicted = torch.arange(rows_n, dtype=torch.float64) + (2 if is_head else 1)  # position of row's token
+    text_ok = torch.zeros(rows_n, dtype=torch.float64)  # P(the next text token is drafted and accepted)
+    reach = torch.ones(rows_n, dtype=torch.float64)  # P(the path to this row's node was accepted)
+    for k, d_logits in enumerate(per_depth):
+        if k:  # level k+1 at row i hangs below level k at row i - 1
+            reach = torch.cat([reach.new_zeros(1), (reach * text_ok)[:-1]])
+        if d_logits.shape[-1] < setup.vocab:
+            d_logits = torch.nn.functional.pad(d_logits, (0, setup.vocab - d_logits.shape[-1]), value=float("-inf"))
+        text_ok = torch.zeros(rows_n, dtype=torch.float64)
+        first = k if is_head else 0  # a head has no depth-(k+1) node in its first k rows
+        if setup.skip_unscored:  # rows predicting a position before gen + k weigh 0 here and feed no deeper row
+            first = max(first, gen + k - int(predicted[0]))
+        for s in range(first, rows_n, setup.chunk):
+            e = min(s + setup.chunk, rows_n)
+            choice, drafts = _verify_chunk(t_logits[s:e], d_logits[s:e], setup)
+            w = reach[s:e] * (predicted[s:e] >= gen + k)  # root (at position - k - 1) >= gen - 1
+            total[k] += (w[:, None] * choice).sum(dim=0)
+            weight[k] += w.sum()
+            if k + 1 < depths:
+                m = min(e, nxt.numel()) - s  # rows with a next text token
+                if m > 0:
+                    hit = (drafts.tokens[:m].cpu() == nxt[s:s + m, None]) & drafts.valid[:m].cpu()
+                    text_ok[s:s + m] = (choice[:m, :setup.width] * hit.double()).sum(dim=1)
+
+
+def _verify_chunk(t_logits: torch.Tensor, d_logits: torch.Tensor, setup: _Scoring):
+    """Draw ``width`` children per row from the draft's logits ``[M, V]`` and the verifier's exact probability
+    of accepting each rank (last column: none) against the target's ``[M, V]``; returns (choice ``[M, W + 1]``
+    float64 on the CPU, the drawn children)."""
+    p = logits_to_probs(t_logits, setup.sampling)  # target_probs
+    if setup.law == "deterministic":
+        q = None
+        drafts = draw_children(d_logits, setup.width, "deterministic")
+    else:
+        q = logits_to_probs(d_logits, setup.sampling)  # draft_probs
+        drafts = draw_children(q, setup.width, setup.law, setup.generator)
+    choice, _ = setup.rule(p, q, drafts.tokens, drafts.valid)  # [M, W + 1]
+    return choice.double().clamp(min=0).cpu(), drafts
+
+
+def _depth_rows(total: torch.Tensor, weight: torch.Tensor, width: int, min_weight: float) -> list[list[float]]:
+    """Acceptance per rank for each depth; a depth whose weight is below ``min_weight`` copies the row above."""
+    rows = []
+    for k in range(total.shape[0]):
+        if k and weight[k] < min_weight:
+            rows.append(list(rows[-1]))
+        else:
+            rows.append((total[k, :width] / max(float(weight[k]), 1e-12)).tolist())
+    return rows
 
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)

@@ -105,7 +105,8 @@ def test_stage_two_teacher_forces_stored_continuations_chunk_by_chunk(tmp_path):
     refused by name."""
     from safetensors.torch import load_file
 
-    from treespec.distill.corpus import CorpusOptions, build_corpus_from_continuations
+    from treespec.distill.continuations import build_corpus_from_continuations
+    from treespec.distill.corpus import CorpusOptions
 
     model = tiny_model("gemma3", vocab_size=64, seed=2, sliding_window=6, logit_scale=4.0)
     g = torch.Generator().manual_seed(4)

@@ -15,10 +15,8 @@ from pathlib import Path
 import torch
 
 from ..files import atomic_write_json
+from .corpus import DEFAULT_EVAL, DEFAULT_TRAIN
 from .inputs import DistillInputError, read_head_file
-
-DEFAULT_TRAIN = "../shared/data/train/train_prompts.jsonl"
-DEFAULT_EVAL = "../shared/data/eval/spec_bench.prompts.jsonl"
 
 
 def _root():
@@ -57,21 +55,20 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m treespec.distill", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="command", required=True)
+def _common_arguments(p: argparse.ArgumentParser) -> None:
+    """The target and machine options every command that loads the target takes."""
+    p.add_argument("--target", default="embedded", help="target model ('embedded' = Gemma-3-270M, or HF path)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="target dtype (auto: bf16 only where the CPU computes it natively)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1 on a shared 2-core machine: 2 threads under contention "
+                        "were measured ~100x slower on small element-wise ops)")
+    p.add_argument("--no-progress", action="store_true")
 
-    def common(p):
-        p.add_argument("--target", default="embedded", help="target model ('embedded' = Gemma-3-270M, or HF path)")
-        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                       help="target dtype (auto: bf16 only where the CPU computes it natively)")
-        p.add_argument("--threads", type=int, default=1,
-                       help="torch CPU threads (1 on a shared 2-core machine: 2 threads under contention "
-                            "were measured ~100x slower on small element-wise ops)")
-        p.add_argument("--no-progress", action="store_true")
 
+def _add_build_corpus(sub) -> None:
     b = sub.add_parser("build-corpus", help="teacher-forced target forwards on train prompts -> shards")
-    common(b)
+    _common_arguments(b)
     b.add_argument("--prompts", default=DEFAULT_TRAIN, help="train prompts jsonl (never the eval set)")
     b.add_argument("--name", default="train", help="corpus name (directory under the cache) ...")
     b.add_argument("--out", default=None, help="... or an explicit directory")
@@ -94,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--time-limit", type=float, default=None, help="minutes; stops after a finished shard")
 
+
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train (or resume) a head on a corpus")
-    common(t)
+    _common_arguments(t)
     t.add_argument("--corpus", default="train", help="corpus name under the cache, or a directory; several: comma-separated")
     t.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
     t.add_argument("--run-dir", default=None, help="... or an explicit directory")
@@ -110,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _config_arguments(t, TrainConfig())
 
+
+def _add_evaluate(sub) -> None:
     e = sub.add_parser("evaluate", help="agreement / acceptance / cost on held-out Spec-Bench prompts")
-    common(e)
+    _common_arguments(e)
     e.add_argument("--head", default=None, help="head .safetensors (default: the run's head.safetensors)")
     e.add_argument("--run", default="gemma3-270m-head")
     e.add_argument("--prompts", default=DEFAULT_EVAL)
@@ -128,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "metric, tau and the step cost then describe that head")
     e.add_argument("--tau-prompts", type=int, default=8)
     e.add_argument("--json", default=None, help="write the metrics here too")
+
+
+def _add_medusa(sub) -> None:
     m = sub.add_parser("medusa", help="train (or resume) Medusa-style decoding heads on corpora")
-    common(m)
+    _common_arguments(m)
     m.add_argument("--corpus", default="train", help="corpus names or directories, comma-separated")
     m.add_argument("--corpus-weights", default=None, help="comma-separated sampling weight per corpus")
     m.add_argument("--run", default="gemma3-270m-medusa", help="run name (checkpoints under the cache) ...")
@@ -143,12 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     _config_arguments(m, MedusaTrainConfig())
 
+
+def _add_export(sub) -> None:
     x = sub.add_parser("export", help="write a run's newest checkpoint as a head file (training may go on)")
     x.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
     x.add_argument("--run-dir", default=None, help="... or an explicit directory")
     x.add_argument("--out", required=True, help="head .safetensors to write (atomically)")
     x.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     x.add_argument("--threads", type=int, default=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m treespec.distill", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    for add in (_add_build_corpus, _add_train, _add_evaluate, _add_medusa, _add_export):
+        add(sub)
     return ap
 
 
@@ -194,8 +207,9 @@ def _check_target(args) -> None:
 
 def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
     """``build-corpus --continuations DIR``: stage 2 of a corpus (see ``build_corpus_from_continuations``)."""
-    from .continuations import MANIFEST, continuation_sequences, load_continuation_manifest
-    from .corpus import build_corpus_from_continuations, read_prompts
+    from .continuations import (MANIFEST, build_corpus_from_continuations, continuation_sequences,
+                                load_continuation_manifest)
+    from .corpus import read_prompts
 
     folder = Path(args.continuations)
     mpath = folder / MANIFEST
@@ -257,138 +271,181 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(args) -> None:
     torch.set_num_threads(args.threads)
-    from ..models.loading import load_model, load_tokenizer  # noqa: F401 (used by most commands)
+    {"build-corpus": _build_corpus, "export": _export, "medusa": _medusa, "train": _train,
+     "evaluate": _evaluate}[args.command](args)
 
-    if args.command == "build-corpus":
-        from .corpus import CorpusOptions, build_corpus, check_not_eval, order_for_batching, read_prompts
 
-        check_not_eval(args.prompts)
-        opts = CorpusOptions(topk=args.topk, shard_positions=args.shard_positions, batch_size=args.batch_size,
-                             continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed,
-                             feature_layers=args.feature_layers)
-        if args.continuations:
-            _build_from_continuations(args, opts, load_model, load_tokenizer)
-            return
-        rows = read_prompts(args.prompts, limit=args.max_prompts, seed=args.seed)
-        tok = load_tokenizer(args.target)
-        seqs = order_for_batching(_tokenize(tok, rows, args.max_len)) if args.batch_size > 1 else \
-            _tokenize(tok, rows, args.max_len)
-        model = load_model(args.target, dtype=args.dtype)
-        out = Path(args.out) if args.out else _root() / "corpus" / args.name
-        man = build_corpus(model, seqs, out, opts, progress=not args.no_progress,
-                           time_limit_s=None if args.time_limit is None else args.time_limit * 60)
-        print(json.dumps({"corpus": str(out), "positions": man["positions"], "sequences": man["sequences_done"],
-                          "of": man["num_input_sequences"], "complete": man["complete"],
-                          "positions_per_s": man["positions"] / max(man["seconds"], 1e-9)}, indent=1))
-    elif args.command == "export":
-        from .train import export_checkpoint
+def _build_corpus(args) -> None:
+    """``build-corpus``: teacher-forced target forwards on train prompts (or stored continuations) -> shards."""
+    from ..models.loading import load_model, load_tokenizer
+    from .corpus import CorpusOptions, build_corpus, check_not_eval, order_for_batching, read_prompts
 
-        run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
-        print(json.dumps(export_checkpoint(run_dir, args.out, getattr(torch, args.dtype)), indent=1))
-    elif args.command == "medusa":
-        from .medusa import MedusaTrainConfig, evaluate_medusa, train_medusa
+    check_not_eval(args.prompts)
+    opts = CorpusOptions(topk=args.topk, shard_positions=args.shard_positions, batch_size=args.batch_size,
+                         continuation=args.continuation, new_tokens=args.new_tokens, seed=args.seed,
+                         feature_layers=args.feature_layers)
+    if args.continuations:
+        _build_from_continuations(args, opts, load_model, load_tokenizer)
+        return
+    rows = read_prompts(args.prompts, limit=args.max_prompts, seed=args.seed)
+    tok = load_tokenizer(args.target)
+    seqs = order_for_batching(_tokenize(tok, rows, args.max_len)) if args.batch_size > 1 else \
+        _tokenize(tok, rows, args.max_len)
+    model = load_model(args.target, dtype=args.dtype)
+    out = Path(args.out) if args.out else _root() / "corpus" / args.name
+    man = build_corpus(model, seqs, out, opts, progress=not args.no_progress,
+                       time_limit_s=None if args.time_limit is None else args.time_limit * 60)
+    print(json.dumps({"corpus": str(out), "positions": man["positions"], "sequences": man["sequences_done"],
+                      "of": man["num_input_sequences"], "complete": man["complete"],
+                      "positions_per_s": man["positions"] / max(man["seconds"], 1e-9)}, indent=1))
 
-        try:
-            weights = [float(w) for w in args.corpus_weights.split(",")] if args.corpus_weights else None
-        except ValueError:
-            raise DistillInputError(f"--corpus-weights {args.corpus_weights!r}: expected comma-separated numbers") \
-                from None
-        if weights is not None and not all(w >= 0 for w in weights) or weights is not None and not sum(weights) > 0:
-            raise DistillInputError(f"--corpus-weights {args.corpus_weights!r}: need weights >= 0, not all 0")
-        vocab = None
-        if args.vocab_from:
-            from ..drafting.head import EagleHead
 
-            vocab = read_head_file(args.vocab_from, EagleHead.load).vocab_ids
-        cfg, model, run_dir, corpora = _training_setup(args, MedusaTrainConfig, load_model)
-        heads, summary = train_medusa(model, corpora, run_dir, cfg, corpus_weights=weights, vocab_ids=vocab,
-                                      progress=not args.no_progress)
-        if args.evaluate:
-            summary["evaluation"] = {"corpus": str(_corpus_dir(args.evaluate)),
-                                     **evaluate_medusa(heads, _corpus_dir(args.evaluate))}
-        if args.export:
-            heads.save(args.export, dtype=torch.float16, extra={"summary": summary})
-        print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
-    elif args.command == "train":
-        from .train import TrainConfig, train
+def _export(args) -> None:
+    """``export``: the newest checkpoint of a run as a head file."""
+    from .train import export_checkpoint
 
-        cfg, model, run_dir, corpora = _training_setup(args, TrainConfig, load_model)
-        vocab_counts = None
-        if args.vocab_prompts:
-            from .corpus import check_not_eval, read_prompts
+    run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
+    print(json.dumps(export_checkpoint(run_dir, args.out, getattr(torch, args.dtype)), indent=1))
 
-            check_not_eval(args.vocab_prompts)
-            tok = load_tokenizer(args.target)
-            ids = [t for s in _tokenize(tok, read_prompts(args.vocab_prompts), 10**9) for t in s]
-            vocab_counts = torch.bincount(torch.tensor(ids), minlength=model.get_output_embeddings().weight.shape[0])
-        head, summary = train(model, corpora if len(corpora) > 1 else corpora[0], run_dir, cfg, init_head=args.init_head,
-                              progress=not args.no_progress, device=args.device, vocab_counts=vocab_counts)
-        if args.export:
-            head.save(args.export, dtype=getattr(torch, args.export_dtype), extra={"summary": summary})
-        print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
-    else:
-        import random
 
+def _corpus_weights(text: str | None) -> list[float] | None:
+    """``--corpus-weights``: comma-separated numbers >= 0, not all 0 (None: unweighted)."""
+    try:
+        weights = [float(w) for w in text.split(",")] if text else None
+    except ValueError:
+        raise DistillInputError(f"--corpus-weights {text!r}: expected comma-separated numbers") from None
+    if weights is not None and not all(w >= 0 for w in weights) or weights is not None and not sum(weights) > 0:
+        raise DistillInputError(f"--corpus-weights {text!r}: need weights >= 0, not all 0")
+    return weights
+
+
+def _medusa(args) -> None:
+    """``medusa``: train (or resume) Medusa-style decoding heads, optionally report and export them."""
+    from ..models.loading import load_model
+    from .medusa import MedusaTrainConfig, evaluate_medusa, train_medusa
+
+    weights = _corpus_weights(args.corpus_weights)
+    vocab = None
+    if args.vocab_from:
         from ..drafting.head import EagleHead
-        from .corpus import HELD_OUT_FROM, read_prompts, shared_dir
-        from .evaluate import chain_tau, depth_metrics, step_cost, target_generations
 
-        path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
-        head = read_head_file(path, EagleHead.load)  # bad files are reported before the target is loaded
-        if args.held_out_train:  # a seeded choice among the rows no corpus reads (HELD_OUT_FROM onwards)
-            rows = read_prompts(shared_dir() / "data" / "train" / "train_prompts.jsonl", seed=0)[HELD_OUT_FROM:]
-            random.Random(1234).shuffle(rows)
-            rows = rows[: args.num_prompts]
-        else:
-            rows = read_prompts(args.prompts, limit=args.num_prompts, seed=1234)
-        groups = [str(r.get("subtask") or r.get("category") or "all") for r in rows]  # Spec-Bench / train label
-        model = load_model(args.target, dtype=args.dtype)
+        vocab = read_head_file(args.vocab_from, EagleHead.load).vocab_ids
+    cfg, model, run_dir, corpora = _training_setup(args, MedusaTrainConfig, load_model)
+    heads, summary = train_medusa(model, corpora, run_dir, cfg, corpus_weights=weights, vocab_ids=vocab,
+                                  progress=not args.no_progress)
+    if args.evaluate:
+        summary["evaluation"] = {"corpus": str(_corpus_dir(args.evaluate)),
+                                 **evaluate_medusa(heads, _corpus_dir(args.evaluate))}
+    if args.export:
+        heads.save(args.export, dtype=torch.float16, extra={"summary": summary})
+    print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
+
+
+def _train(args) -> None:
+    """``train``: train (or resume) an EAGLE-style head on corpora, optionally export it."""
+    from ..models.loading import load_model, load_tokenizer
+    from .train import TrainConfig, train
+
+    cfg, model, run_dir, corpora = _training_setup(args, TrainConfig, load_model)
+    vocab_counts = None
+    if args.vocab_prompts:
+        from .corpus import check_not_eval, read_prompts
+
+        check_not_eval(args.vocab_prompts)
         tok = load_tokenizer(args.target)
+        ids = [t for s in _tokenize(tok, read_prompts(args.vocab_prompts), 10**9) for t in s]
+        vocab_counts = torch.bincount(torch.tensor(ids), minlength=model.get_output_embeddings().weight.shape[0])
+    head, summary = train(model, corpora if len(corpora) > 1 else corpora[0], run_dir, cfg, init_head=args.init_head,
+                          progress=not args.no_progress, device=args.device, vocab_counts=vocab_counts)
+    if args.export:
+        head.save(args.export, dtype=getattr(torch, args.export_dtype), extra={"summary": summary})
+    print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
+
+
+def _evaluation_rows(args) -> list[dict]:
+    """The prompt rows ``evaluate`` measures on: the seeded choice of ``--prompts`` or held-out train rows."""
+    import random
+
+    from .corpus import HELD_OUT_FROM, read_prompts, shared_dir
+
+    if args.held_out_train:  # a seeded choice among the rows no corpus reads (HELD_OUT_FROM onwards)
+        rows = read_prompts(shared_dir() / "data" / "train" / "train_prompts.jsonl", seed=0)[HELD_OUT_FROM:]
+        random.Random(1234).shuffle(rows)
+        return rows[: args.num_prompts]
+    return read_prompts(args.prompts, limit=args.num_prompts, seed=1234)
+
+
+def _attach_for_evaluation(head, model, path: str, quantize: str) -> int:
+    """Attach ``head`` to ``model`` (4-bit weights with ``quantize="int4"``); returns its trained parameters."""
+    try:
+        head.attach(model)
+    except ValueError as err:
+        raise DistillInputError(f"head file {path}: {err}") from None
+    trained_parameters = head.num_trained_parameters  # (4-bit layers hold no parameters)
+    if quantize != "none":  # the head as it drafts on 4-bit weights, for every measurement below
         try:
-            head.attach(model)
+            head.for_inference(next(model.parameters()).dtype, quantize=quantize)
         except ValueError as err:
-            raise DistillInputError(f"head file {path}: {err}") from None
-        trained_parameters = head.num_trained_parameters  # (4-bit layers hold no parameters)
-        if args.quantize != "none":  # the head as it drafts on 4-bit weights, for every measurement below
-            try:
-                head.for_inference(next(model.parameters()).dtype, quantize=args.quantize)
-            except ValueError as err:
-                raise DistillInputError(f"--quantize {args.quantize}: {err} (use --dtype bfloat16)") from None
-        prompts = [p[-args.max_prompt_len:] if len(p) > args.max_prompt_len else p
-                   for p in _tokenize(tok, rows, 10**9)]
-        cache = _root() / "eval-cache"
-        greedy = target_generations(model, prompts, args.new_tokens, 0.0, cache=cache,
-                                    progress=not args.no_progress)
-        sampled = target_generations(model, prompts, args.new_tokens, 1.0, cache=cache,
-                                     progress=not args.no_progress)
-        m0 = depth_metrics(model, head, prompts, greedy, args.depths, groups)
-        m1 = depth_metrics(model, head, prompts, sampled, args.depths, groups)
-        result = {"head": path, "prompt_set": "held-out train rows" if args.held_out_train else str(args.prompts),
-                  "prompts": len(prompts), "new_tokens": args.new_tokens, "positions_T0": m0["positions"],
-                  "top1_agreement_T0": m0["top1_agreement"], "positions_T1": m1["positions"],
-                  "sum_min_pq_T1": m1["sum_min_pq"], "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
-                  "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"], "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
-                  "positions_T0_by_depth": m0["positions_by_depth"], "trained_parameters": trained_parameters,
-                  "vocab_subset": int(head.vocab_ids.numel()),
-                  "threads": args.threads, "dtype": str(next(model.parameters()).dtype),
-                  "by_group": {g: {"prompts": groups.count(g),
-                                   "top1_agreement_T0_by_depth": m0["by_group"][g]["top1_agreement_by_depth"],
-                                   "positions_T0": m0["by_group"][g]["positions"],
-                                   "sum_min_pq_T1_by_depth": m1["by_group"][g]["sum_min_pq_by_depth"],
-                                   "positions_T1": m1["by_group"][g]["positions"]}
-                               for g in sorted(set(m0["by_group"]) & set(m1["by_group"]))}}
-        if args.tau:
-            tp = prompts[: args.tau_prompts]
-            result["tau_chain4_T0"] = chain_tau(model, head, tp, 4, 0.0, args.new_tokens)
-            result["tau_chain4_T1"] = chain_tau(model, head, tp, 4, 1.0, args.new_tokens)
-        # last: the head is timed as the CLI drafts with it (bf16 and packed where the CPU computes bf16
-        # natively), which leaves it for inference only
-        result["quantize"] = args.quantize
-        result["step_cost"] = step_cost(model, head if args.quantize != "none"
-                                        else head.for_inference(next(model.parameters()).dtype))
-        print(json.dumps(result, indent=1))
-        if args.json:
-            atomic_write_json(args.json, result)
+            raise DistillInputError(f"--quantize {quantize}: {err} (use --dtype bfloat16)") from None
+    return trained_parameters
+
+
+def _evaluation_result(args, path: str, head, model, prompts: list[list[int]], groups: list[str],
+                       m0: dict, m1: dict, trained_parameters: int) -> dict:
+    """The teacher-forced metrics of ``evaluate`` (``m0`` along greedy text, ``m1`` along sampled text)."""
+    return {"head": path, "prompt_set": "held-out train rows" if args.held_out_train else str(args.prompts),
+            "prompts": len(prompts), "new_tokens": args.new_tokens, "positions_T0": m0["positions"],
+            "top1_agreement_T0": m0["top1_agreement"], "positions_T1": m1["positions"],
+            "sum_min_pq_T1": m1["sum_min_pq"], "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
+            "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"], "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
+            "positions_T0_by_depth": m0["positions_by_depth"], "trained_parameters": trained_parameters,
+            "vocab_subset": int(head.vocab_ids.numel()),
+            "threads": args.threads, "dtype": str(next(model.parameters()).dtype),
+            "by_group": {g: {"prompts": groups.count(g),
+                             "top1_agreement_T0_by_depth": m0["by_group"][g]["top1_agreement_by_depth"],
+                             "positions_T0": m0["by_group"][g]["positions"],
+                             "sum_min_pq_T1_by_depth": m1["by_group"][g]["sum_min_pq_by_depth"],
+                             "positions_T1": m1["by_group"][g]["positions"]}
+                         for g in sorted(set(m0["by_group"]) & set(m1["by_group"]))}}
+
+
+def _evaluate(args) -> None:
+    """``evaluate``: agreement and acceptance along the target's own text, tau and step cost in the engine
+    (:mod:`treespec.analysis.acceptance`)."""
+    from ..analysis.acceptance import chain_tau, step_cost, target_generations
+    from ..drafting.head import EagleHead
+    from ..models.loading import load_model, load_tokenizer
+    from .evaluate import depth_metrics
+
+    path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
+    head = read_head_file(path, EagleHead.load)  # bad files are reported before the target is loaded
+    rows = _evaluation_rows(args)
+    groups = [str(r.get("subtask") or r.get("category") or "all") for r in rows]  # Spec-Bench / train label
+    model = load_model(args.target, dtype=args.dtype)
+    tok = load_tokenizer(args.target)
+    trained_parameters = _attach_for_evaluation(head, model, path, args.quantize)
+    prompts = [p[-args.max_prompt_len:] if len(p) > args.max_prompt_len else p
+               for p in _tokenize(tok, rows, 10**9)]
+    cache = _root() / "eval-cache"
+    greedy = target_generations(model, prompts, args.new_tokens, 0.0, cache=cache,
+                                progress=not args.no_progress)
+    sampled = target_generations(model, prompts, args.new_tokens, 1.0, cache=cache,
+                                 progress=not args.no_progress)
+    m0 = depth_metrics(model, head, prompts, greedy, args.depths, groups)
+    m1 = depth_metrics(model, head, prompts, sampled, args.depths, groups)
+    result = _evaluation_result(args, path, head, model, prompts, groups, m0, m1, trained_parameters)
+    if args.tau:
+        tp = prompts[: args.tau_prompts]
+        result["tau_chain4_T0"] = chain_tau(model, head, tp, 4, 0.0, args.new_tokens)
+        result["tau_chain4_T1"] = chain_tau(model, head, tp, 4, 1.0, args.new_tokens)
+    # last: the head is timed as the CLI drafts with it (bf16 and packed where the CPU computes bf16
+    # natively), which leaves it for inference only
+    result["quantize"] = args.quantize
+    result["step_cost"] = step_cost(model, head if args.quantize != "none"
+                                    else head.for_inference(next(model.parameters()).dtype))
+    print(json.dumps(result, indent=1))
+    if args.json:
+        atomic_write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ the logits, sampling = an exact draw from ``softmax(logits / T)`` in float32 wit
 A chunk is one file ``chunk-NNNNN.json`` holding the prompt indices, the prompts' token counts and
 the generated ids; a manifest fingerprints the recipe (prompt file hash, options) so a resumed run
 cannot mix recipes. A chunk is written atomically; a killed run loses at most the chunk it was on.
+
+Stage 2, :func:`build_corpus_from_continuations`, teacher-forces the target on the stored
+continuations into a corpus of :mod:`.corpus` (one shard per finished chunk).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import torch
 
 from ..files import atomic_write_json, remove_stale_temporaries
 from ..sampling import draw, first_argmax
+from .corpus import (DEFAULT_TRAIN, HELD_OUT_FROM, CorpusOptions, ShardBuffer, check_not_eval, open_corpus,
+                     read_prompts)
+from .corpus import MANIFEST as CORPUS_MANIFEST
 from .inputs import DistillInputError, read_json_object, require_count, require_type
 
 MANIFEST = "manifest.json"
@@ -294,12 +300,50 @@ def read_chunk_rows(folder: Path, c: int, num_prompts: int) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def build_corpus_from_continuations(model, prompt_ids: list[list[int]], continuations_dir: str | Path,
+                                    out_dir: str | Path, opts: CorpusOptions = CorpusOptions(), *,
+                                    progress: bool = True, time_limit_s: float | None = None) -> dict:
+    """Stage 2: teacher-force ``model`` on stored continuations (this module's stage 1), one shard per chunk.
+
+    ``prompt_ids`` are the prompts the continuations were generated from (all of the recipe's rows,
+    in order); they are checked against the continuation folder's fingerprint, so the sequences
+    rebuilt here are exactly ``prompt + continuation`` as generated (``gen_start`` = the prompt's
+    length). Chunks finished later are added by calling again: the corpus follows its continuation
+    folder (its fingerprint is the folder's recipe plus ``opts``), and training may start on the
+    shards that exist. Returns the manifest; ``complete`` once every chunk of a complete folder is in.
+    """
+    from tqdm import tqdm
+
+    if opts.continuation != "none":
+        raise DistillInputError("the continuations are stored already: continuation must be 'none' here")
+    cont = continuation_sequences(continuations_dir, prompt_ids)  # checks the fingerprint
+    fp = hashlib.sha256(json.dumps([cont.fingerprint, opts.record()], sort_keys=True).encode()).hexdigest()
+    out, manifest = open_corpus(model, out_dir, fp, {"options": opts.record(),
+                                                     "continuations": cont.fingerprint,
+                                                     "num_input_sequences": cont.num_prompts})
+    done = {sh["chunk"] for sh in manifest["shards"]}
+    todo = [c for c in cont.chunks if c not in done]
+    start_time = time.perf_counter()
+    buf = ShardBuffer(manifest["vocab_size"])
+    for c in tqdm(todo, unit="chunk", desc="corpus", disable=not progress):
+        if time_limit_s is not None and time.perf_counter() - start_time > time_limit_s:
+            break
+        seqs, gen_start = cont.chunk(c)
+        order = sorted(range(len(seqs)), key=lambda k: (len(seqs[k]), k))  # similar lengths share a batch
+        for s in range(0, len(order), opts.batch_size):
+            idx = order[s:s + opts.batch_size]
+            buf.add(model, [seqs[k] for k in idx], [gen_start[k] for k in idx], opts)
+        buf.flush(out, manifest, chunk=c)
+    manifest["complete"] = cont.complete and len(manifest["shards"]) == len(cont.chunks)
+    atomic_write_json(out / CORPUS_MANIFEST, manifest)
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m treespec.distill.continuations --name NAME --mode greedy --rows 0:6000 ...``"""
     import argparse
     import sys
-
-    from .corpus import HELD_OUT_FROM, check_not_eval, read_prompts
 
     ap = argparse.ArgumentParser(prog="python -m treespec.distill.continuations",
                                  description="the target's own continuations of train prompts, in resumable chunks")
@@ -324,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="allow rows of the held-out part of the seeded order (e.g. continuations to measure on)")
     args = ap.parse_args(argv)
     from ..models.loading import cache_root, load_model, load_tokenizer
-    from .cli import DEFAULT_TRAIN
 
     try:
         if args.threads < 1:

@@ -47,6 +47,10 @@ CORPUS_FORMAT = 1
 #: rows of the train prompts' seeded order (``read_prompts(..., seed=0)``) from here on are held out:
 #: no distillation corpus recipe uses them; tuning and ablations measure on them
 HELD_OUT_FROM = 11000
+#: the train prompts every distillation recipe reads (relative to the repository; never the eval set)
+DEFAULT_TRAIN = "../shared/data/train/train_prompts.jsonl"
+#: the held-out prompts ``python -m treespec.distill evaluate`` measures on by default
+DEFAULT_EVAL = "../shared/data/eval/spec_bench.prompts.jsonl"
 
 
 def shared_dir() -> Path:
@@ -413,8 +417,9 @@ def _continue(model, batch: list[list[int]], opts: CorpusOptions, index: int) ->
     return conts
 
 
-class _ShardBuffer:
-    """Teacher-forced positions gathered for the next shard, and how they are written."""
+class ShardBuffer:
+    """Teacher-forced positions gathered for the next shard, and how they are written (also used by
+    :func:`.continuations.build_corpus_from_continuations`)."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
@@ -491,7 +496,7 @@ class _ShardBuffer:
         self.clear()
 
 
-def _open_corpus(model, out_dir: str | Path, fingerprint: str, fresh: dict) -> tuple[Path, dict]:
+def open_corpus(model, out_dir: str | Path, fingerprint: str, fresh: dict) -> tuple[Path, dict]:
     """The corpus folder and its manifest (created from ``fresh`` when new; refused when it holds
     a corpus of other inputs)."""
     if fresh["options"].get("feature_layers"):  # checked before anything is written
@@ -529,12 +534,12 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
     if opts.continuation not in ("none", "greedy", "sample"):
         raise DistillInputError(f"continuation must be none / greedy / sample, got {opts.continuation!r}")
     seqs = [list(map(int, s)) for s in seqs if len(s) >= 2]
-    out, manifest = _open_corpus(model, out_dir, _fingerprint(seqs, opts),
-                                 {"options": opts.record(), "num_input_sequences": len(seqs)})
+    out, manifest = open_corpus(model, out_dir, _fingerprint(seqs, opts),
+                                {"options": opts.record(), "num_input_sequences": len(seqs)})
     done = manifest["sequences_done"]
     start_time = time.perf_counter()
     bar = tqdm(total=len(seqs), initial=done, unit="seq", desc="corpus", disable=not progress)
-    buf = _ShardBuffer(manifest["vocab_size"])
+    buf = ShardBuffer(manifest["vocab_size"])
     i = done
     while i < len(seqs):
         if time_limit_s is not None and time.perf_counter() - start_time > time_limit_s:
@@ -553,47 +558,5 @@ def build_corpus(model, seqs: list[list[int]], out_dir: str | Path, opts: Corpus
         buf.flush(out, manifest)
     bar.close()
     manifest["complete"] = manifest["sequences_done"] >= len(seqs)
-    atomic_write_json(out / MANIFEST, manifest)
-    return manifest
-
-
-@torch.no_grad()
-def build_corpus_from_continuations(model, prompt_ids: list[list[int]], continuations_dir: str | Path,
-                                    out_dir: str | Path, opts: CorpusOptions = CorpusOptions(), *,
-                                    progress: bool = True, time_limit_s: float | None = None) -> dict:
-    """Stage 2: teacher-force ``model`` on stored continuations (:mod:`.continuations`), one shard per chunk.
-
-    ``prompt_ids`` are the prompts the continuations were generated from (all of the recipe's rows,
-    in order); they are checked against the continuation folder's fingerprint, so the sequences
-    rebuilt here are exactly ``prompt + continuation`` as generated (``gen_start`` = the prompt's
-    length). Chunks finished later are added by calling again: the corpus follows its continuation
-    folder (its fingerprint is the folder's recipe plus ``opts``), and training may start on the
-    shards that exist. Returns the manifest; ``complete`` once every chunk of a complete folder is in.
-    """
-    from tqdm import tqdm
-
-    from .continuations import continuation_sequences
-
-    if opts.continuation != "none":
-        raise DistillInputError("the continuations are stored already: continuation must be 'none' here")
-    cont = continuation_sequences(continuations_dir, prompt_ids)  # checks the fingerprint
-    fp = hashlib.sha256(json.dumps([cont.fingerprint, opts.record()], sort_keys=True).encode()).hexdigest()
-    out, manifest = _open_corpus(model, out_dir, fp, {"options": opts.record(),
-                                                      "continuations": cont.fingerprint,
-                                                      "num_input_sequences": cont.num_prompts})
-    done = {sh["chunk"] for sh in manifest["shards"]}
-    todo = [c for c in cont.chunks if c not in done]
-    start_time = time.perf_counter()
-    buf = _ShardBuffer(manifest["vocab_size"])
-    for c in tqdm(todo, unit="chunk", desc="corpus", disable=not progress):
-        if time_limit_s is not None and time.perf_counter() - start_time > time_limit_s:
-            break
-        seqs, gen_start = cont.chunk(c)
-        order = sorted(range(len(seqs)), key=lambda k: (len(seqs[k]), k))  # similar lengths share a batch
-        for s in range(0, len(order), opts.batch_size):
-            idx = order[s:s + opts.batch_size]
-            buf.add(model, [seqs[k] for k in idx], [gen_start[k] for k in idx], opts)
-        buf.flush(out, manifest, chunk=c)
-    manifest["complete"] = cont.complete and len(manifest["shards"]) == len(cont.chunks)
     atomic_write_json(out / MANIFEST, manifest)
     return manifest

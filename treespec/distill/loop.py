@@ -39,7 +39,16 @@ class LoopConfig:
 
 def cosine_lr(step: int, warmup: int, steps: int, floor: float) -> float:
     """Learning-rate factor at ``step``: linear warmup to 1 over ``warmup`` steps, then cosine decay to
-    ``floor`` at ``steps``."""
+    ``floor`` at ``steps``.
+
+    Not the same numbers as transformers' ``get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps,
+    min_lr_rate=floor)`` (measured with transformers 5.24; ``tests/treespec/test_distill_schedule.py`` pins
+    it), so do not swap one for the other: its warmup factor is ``step / warmup``, one step behind this
+    one's ``(step + 1) / warmup`` (its step 0 trains at learning rate 0; it reaches 1 at ``step = warmup``
+    where this one does at ``warmup - 1``); from ``warmup`` to ``steps`` the two agree (to 1e-12); past
+    ``steps`` it rises again along the cosine, while this one stays at ``floor``. Resumed runs must keep
+    the factors of their first part.
+    """
     if step < warmup:
         return (step + 1) / warmup
     frac = min((step - warmup) / max(steps - warmup, 1), 1.0)

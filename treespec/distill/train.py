@@ -348,6 +348,79 @@ def _head_from_checkpoint(state: dict, path: Path) -> EagleHead:
     return head
 
 
+def _corpus_dirs(target, corpus_dir: str | Path | list, cfg: TrainConfig) -> tuple[list, int]:
+    """The corpus directories (checked to be built with ``target``) and the positions training draws from."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
+    mans = [load_manifest(d) for d in dirs]
+    for d, man in zip(dirs, mans):
+        if man["vocab_size"] != vocab or man["hidden_size"] != target.get_input_embeddings().weight.shape[1]:
+            raise DistillInputError(f"corpus {d}: built with another target (vocabulary / hidden size differ)")
+    return dirs, sum(sh["positions"] for _, sh in corpus_shards(dirs, cfg.max_shards))
+
+
+def _resumed_config(state: dict, ckpt_path: Path, cfg: TrainConfig, log) -> TrainConfig:
+    """``cfg`` as a resumed run continues it: the data it trained on must not change; a run from before
+    ``logits_amp`` keeps its float32 subset products."""
+    if not isinstance(state.get("train_config", {}), dict):
+        raise DistillInputError(f"checkpoint {ckpt_path}: 'train_config' must be a dict")
+    pinned = state.get("train_config", {}).get("max_shards")
+    if pinned != cfg.max_shards:  # the data a run trains on is part of its identity
+        raise DistillInputError(f"{ckpt_path}: the run trained on max_shards={pinned}, this call asks for "
+                                f"max_shards={cfg.max_shards}; give the same value or start a new run")
+    if "logits_amp" not in state.get("train_config", {}) and cfg.logits_amp:
+        cfg = replace(cfg, logits_amp=False)  # a run from before the option keeps its float32 subset products
+        log(f"{ckpt_path}: a run from before logits_amp; it continues with its float32 subset products")
+    return cfg
+
+
+def _starting_head(target, corpus_dir, cfg: TrainConfig, state: dict | None, ckpt_path: Path | None,
+                   init_head: str | Path | None, vocab_counts: torch.Tensor | None, log) -> EagleHead:
+    """The head training starts from: the checkpoint's, ``init_head``'s, or a new one on a chosen subset."""
+    if state is not None:
+        head = _head_from_checkpoint(state, ckpt_path)
+        head.attach(target)
+        log(f"resuming from {ckpt_path} (step {state['step']})")
+        return head
+    if init_head is not None:
+        return read_head_file(init_head, EagleHead.load, target)
+    from ..models.loading import eos_token_ids
+
+    ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts, cfg.max_shards)
+    return new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                    intermediate_size=cfg.intermediate_size, feature_layers=cfg.feature_layers, seed=cfg.seed)
+
+
+def _feature_layers_config(cfg: TrainConfig, head: EagleHead, resumed: bool) -> TrainConfig:
+    """``cfg`` with the head's feature layers (asking for others than the head reads is refused)."""
+    if cfg.feature_layers == head.cfg.feature_layers:
+        return cfg
+    if cfg.feature_layers:  # asked for layers the resumed / initial head does not read
+        raise DistillInputError(f"feature-layers {list(cfg.feature_layers)}: the "
+                                f"{'checkpoint' if resumed else 'initial head'} reads "
+                                f"{list(head.cfg.feature_layers)}; give those (or none) or start a new run")
+    return replace(cfg, feature_layers=head.cfg.feature_layers)  # recorded as the head has them
+
+
+def _subset_index(head: EagleHead, vocab: int, device: torch.device) -> torch.Tensor:
+    """``[V]``: each token's index in the head's vocabulary subset, -1 outside it."""
+    sub_index = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel(), device=device)
+    return sub_index
+
+
+def _finish(head: EagleHead, run_dir: Path, cfg: TrainConfig, dirs: list, step: int, positions: int,
+            elapsed: float, ema: dict, precision: str) -> dict:
+    """Write ``head.safetensors`` and ``summary.json`` of a finished (or stopped) run; returns the summary."""
+    summary = {"step": step, "positions_this_run": positions, "seconds_this_run": elapsed,
+               "positions_per_s": positions / max(elapsed, 1e-9), "ema": ema, "precision": precision,
+               "trained_parameters": head.num_trained_parameters, "vocab_subset": int(head.vocab_ids.numel())}
+    head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "corpus": [str(d) for d in dirs],
+                                                   "summary": summary})
+    atomic_write_json(run_dir / "summary.json", summary)
+    return summary
+
+
 def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
           init_head: str | Path | None = None, progress: bool = True, device: str | torch.device | None = None,
           vocab_counts: torch.Tensor | None = None, log=print) -> tuple[EagleHead, dict]:
@@ -365,41 +438,13 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     run_dir, ckpt_path, state = open_run(run_dir, CKPT_NAME)
     target = target.to(device)
     vocab = target.get_output_embeddings().weight.shape[0]
-    dirs = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
-    mans = [load_manifest(d) for d in dirs]
-    for d, man in zip(dirs, mans):
-        if man["vocab_size"] != vocab or man["hidden_size"] != target.get_input_embeddings().weight.shape[1]:
-            raise DistillInputError(f"corpus {d}: built with another target (vocabulary / hidden size differ)")
-    man = {"positions": sum(sh["positions"] for _, sh in corpus_shards(dirs, cfg.max_shards))}
+    dirs, corpus_positions = _corpus_dirs(target, corpus_dir, cfg)
     if state is not None:
-        if not isinstance(state.get("train_config", {}), dict):
-            raise DistillInputError(f"checkpoint {ckpt_path}: 'train_config' must be a dict")
-        pinned = state.get("train_config", {}).get("max_shards")
-        if pinned != cfg.max_shards:  # the data a run trains on is part of its identity
-            raise DistillInputError(f"{ckpt_path}: the run trained on max_shards={pinned}, this call asks for "
-                                    f"max_shards={cfg.max_shards}; give the same value or start a new run")
-        if "logits_amp" not in state.get("train_config", {}) and cfg.logits_amp:
-            cfg = replace(cfg, logits_amp=False)  # a run from before the option keeps its float32 subset products
-            log(f"{ckpt_path}: a run from before logits_amp; it continues with its float32 subset products")
-        head = _head_from_checkpoint(state, ckpt_path)
-        head.attach(target)
-        log(f"resuming from {ckpt_path} (step {state['step']})")
-    elif init_head is not None:
-        head = read_head_file(init_head, EagleHead.load, target)
-    else:
-        from ..models.loading import eos_token_ids
-
-        ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts, cfg.max_shards)
-        head = new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                        intermediate_size=cfg.intermediate_size, feature_layers=cfg.feature_layers, seed=cfg.seed)
+        cfg = _resumed_config(state, ckpt_path, cfg, log)
+    head = _starting_head(target, corpus_dir, cfg, state, ckpt_path, init_head, vocab_counts, log)
     head = head.to(device).float()
     head.attach(target)
-    if cfg.feature_layers != head.cfg.feature_layers:
-        if cfg.feature_layers:  # asked for layers the resumed / initial head does not read
-            raise DistillInputError(f"feature-layers {list(cfg.feature_layers)}: the "
-                                    f"{'checkpoint' if state is not None else 'initial head'} reads "
-                                    f"{list(head.cfg.feature_layers)}; give those (or none) or start a new run")
-        cfg = replace(cfg, feature_layers=head.cfg.feature_layers)  # recorded as the head has them
+    cfg = _feature_layers_config(cfg, head, state is not None)
     sampler = ShardSampler(corpus_dir, cfg)
     if state is None and init_head is None:
         # start the output feature at the corpus' per-channel scale of h (measured on Gemma-3-270M:
@@ -407,13 +452,12 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
         h = sampler._shard(0)["hidden"][:20000].float()
         with torch.no_grad():
             head.out_norm.weight.copy_(h.pow(2).mean(0).sqrt().to(device))
-    sub_index = torch.full((vocab,), -1, dtype=torch.long, device=device)
-    sub_index[head.vocab_ids] = torch.arange(head.vocab_ids.numel(), device=device)
+    sub_index = _subset_index(head, vocab, device)
     torch.manual_seed(cfg.seed)  # feature noise; a resumed run continues the checkpoint's RNG state
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     autocast, precision = autocast_for(device, cfg.amp)
     log(f"head: {head.num_trained_parameters / 1e6:.2f}M trained parameters, vocabulary subset "
-        f"{head.vocab_ids.numel()}, {precision}, device {device}, corpus {man['positions']} positions")
+        f"{head.vocab_ids.numel()}, {precision}, device {device}, corpus {corpus_positions} positions")
     loop = LoopConfig(steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, floor=0.1, clip=cfg.grad_clip,
                       ckpt_every=cfg.ckpt_every, keep=cfg.keep_ckpts, time_limit_s=cfg.time_limit_s)
     head.train()
@@ -445,14 +489,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
                     state=state, extra=extra, on_step=on_step, state_path=ckpt_path)
     bar.close()
     head.eval()
-    elapsed = time.perf_counter() - t0
-    summary = {"step": step, "positions_this_run": positions, "seconds_this_run": elapsed,
-               "positions_per_s": positions / max(elapsed, 1e-9), "ema": ema, "precision": precision,
-               "trained_parameters": head.num_trained_parameters, "vocab_subset": int(head.vocab_ids.numel())}
-    head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "corpus": [str(d) for d in dirs],
-                                                   "summary": summary})
-    atomic_write_json(run_dir / "summary.json", summary)
-    return head, summary
+    return head, _finish(head, run_dir, cfg, dirs, step, positions, time.perf_counter() - t0, ema, precision)
 
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype = torch.float16) -> dict:
