@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
 from ot_bounds import optimal_subset  # noqa: E402
 
-CASES = [("iid", 2), ("iid", 4), ("iid", 8), ("greedy", 2), ("greedy", 4), ("greedy", 8),
+CASES = [("iid", 2), ("iid", 4), ("iid", 8), ("greedy_draft", 2), ("greedy_draft", 4), ("greedy_draft", 8),
          ("without_replacement", 2), ("without_replacement", 3), ("without_replacement", 4),
          ("without_replacement", 8)]
 

@@ -17,7 +17,7 @@ from numpy.typing import ArrayLike, NDArray
 SUM_TOLERANCE: float = 1e-6
 
 #: Recognised draft sampling laws (see :mod:`ot_bounds.draft_laws`).
-SAMPLINGS: tuple[str, ...] = ("iid", "without_replacement", "greedy")
+SAMPLINGS: tuple[str, ...] = ("iid", "without_replacement", "greedy_draft")
 
 
 def check_distribution(x: ArrayLike, name: str) -> NDArray[np.float64]:
@@ -114,14 +114,21 @@ def check_sampling(sampling: Any) -> str:
     return str(sampling)
 
 
-def check_small_vocab(v: int, n: int, sampling: str, limit: int, what: str) -> None:
-    """Refuse exhaustive methods whose size would explode.
+class TooManyTuples(ValueError):
+    """An exhaustive method refused because it would enumerate about ``size`` draft tuples (over ``limit``)."""
 
-    ``limit`` bounds the number of ordered draft tuples (about ``V**n``).
+    def __init__(self, what: str, size: float, v: int, n: int, limit: int, advice: str) -> None:
+        self.what, self.size, self.v, self.n, self.limit = what, size, v, n, limit
+        super().__init__(f"{what} enumerates about V**n = {size:.3g} draft tuples (V={v}, n={n}); "
+                         f"limit is {limit}. {advice}")
+
+
+def check_small_vocab(v: int, n: int, sampling: str, limit: int, what: str,
+                      advice: str = "Use optimal_acceptance for large vocabularies.") -> None:
+    """Refuse exhaustive methods whose size would explode (:class:`TooManyTuples`, a ValueError).
+
+    ``limit`` bounds the number of ordered draft tuples (about ``V**n``); ``advice`` ends the message.
     """
-    size = float(v) ** n if sampling != "greedy" else float(v)
+    size = float(v) ** n if sampling != "greedy_draft" else float(v)
     if size > limit:
-        raise ValueError(
-            f"{what} enumerates about V**n = {size:.3g} draft tuples (V={v}, n={n}); "
-            f"limit is {limit}. Use optimal_acceptance for large vocabularies."
-        )
+        raise TooManyTuples(what, size, v, n, limit, advice)

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from ._validation import check_distributions, check_n
+from ._validation import TooManyTuples, check_distributions, check_n
 from .draft_laws import TUPLE_LAWS
 from .optimal import optimal_acceptance
 from .verifiers import VERIFIER_LAW, VERIFIERS, verifier_acceptance
@@ -45,6 +45,16 @@ def load_array(path: str) -> NDArray[np.float64]:
     if arr.ndim not in (1, 2):
         raise ValueError(f"{path} must be 1-D (V,) or 2-D (positions, V), got shape {arr.shape}")
     return arr
+
+
+def _verifier_acceptance(p: NDArray[np.float64], q: NDArray[np.float64], n: int, verifier: str) -> float:
+    """``verifier_acceptance``, its refusal of a too large enumeration told in the CLI's options."""
+    try:
+        return verifier_acceptance(p, q, n, verifier)
+    except TooManyTuples as exc:
+        raise ValueError(f"--verifier {verifier} enumerates about V**n = {exc.size:.3g} draft tuples "
+                         f"(V={exc.v}, --n {exc.n}); the limit is {exc.limit}: use a smaller --n, or leave out "
+                         f"--verifier for the optimal acceptance alone") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         n = check_n(args.n)
         if args.sampling not in TUPLE_LAWS:
-            raise ValueError(f"unknown sampling {args.sampling!r}; expected one of {list(TUPLE_LAWS)}")
+            hint = " (greedy drafting is --sampling greedy_draft)" if args.sampling == "greedy" else ""
+            raise ValueError(f"unknown sampling {args.sampling!r}; expected one of {list(TUPLE_LAWS)}{hint}")
         if args.verifier is not None and args.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {args.verifier!r}; expected one of {list(VERIFIERS)}")
         p_all, q_all = load_array(args.p), load_array(args.q)
@@ -87,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 p_i, q_i = check_distributions(p_row, q_row)
                 row: dict[str, object] = {"position": i, "optimal": optimal_acceptance(p_i, q_i, n, args.sampling)}
                 if args.verifier is not None:
-                    row["verifier"] = verifier_acceptance(p_i, q_i, n, args.verifier)
+                    row["verifier"] = _verifier_acceptance(p_i, q_i, n, args.verifier)
                     row["verifier_law_optimal"] = optimal_acceptance(p_i, q_i, n, VERIFIER_LAW[args.verifier])
             except ValueError as exc:
                 raise ValueError(f"row {i}: {exc}") from exc

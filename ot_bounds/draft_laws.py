@@ -19,7 +19,7 @@ Supported laws (``sampling``)
     the first ``n`` arrivals of an exponential race with rates ``q``).  If
     ``q`` has fewer than ``n`` non-zero entries, all of them are drafted
     (``n_eff = min(n, nnz(q))``).
-``"greedy"``
+``"greedy_draft"``
     Greedy drafting of Hu et al.: the ``n-1`` most likely draft tokens ``T``
     (ties broken by lower index) are fixed, one more child is drawn from
     ``q' = q|_{V \\ T} / q(V \\ T)``.  ``Q(all in H) = 1[T in H] q'(H)``.
@@ -76,13 +76,14 @@ from ._workspace import workspace
 
 #: Every tuple law understood by this module (the first three are the public
 #: ``sampling`` values of :func:`ot_bounds.optimal_acceptance`).
-TUPLE_LAWS: tuple[str, ...] = ("iid", "without_replacement", "greedy", "spechub", "deterministic")
+TUPLE_LAWS: tuple[str, ...] = ("iid", "without_replacement", "greedy_draft", "spechub", "deterministic")
 
 
 def check_law(sampling: object, n: int) -> str:
     """Validate a tuple-law name (and ``n == 2`` for ``"spechub"``)."""
     if sampling not in TUPLE_LAWS:
-        raise ValueError(f"unknown sampling {sampling!r}; expected one of {list(TUPLE_LAWS)}")
+        hint = " (greedy drafting is 'greedy_draft', as in treespec)" if sampling == "greedy" else ""
+        raise ValueError(f"unknown sampling {sampling!r}; expected one of {list(TUPLE_LAWS)}{hint}")
     if sampling == "spechub" and n != 2:
         raise ValueError(f"sampling 'spechub' is defined for n = 2 only, got n = {n}")
     return str(sampling)
@@ -802,7 +803,7 @@ def _prob_all_in(q: NDArray[np.float64], mask: NDArray[np.bool_], n: int, sampli
     if sampling == "without_replacement":
         n_eff = effective_n(q, n, sampling)
         return wor_prob_all_in(q[mask], float(q[~mask].sum()), n_eff)
-    if sampling in ("greedy", "spechub"):
+    if sampling in ("greedy_draft", "spechub"):
         fixed, rest = greedy_parts(q, n)
         if not mask[fixed].all():
             return 0.0
@@ -816,7 +817,7 @@ def draft_tuple_law(q: ArrayLike, n: int, sampling: str) -> TupleLaw:
     """Enumerate the law of ordered draft tuples (small vocabularies only).
 
     Only tuples with positive probability are listed.  Sizes: about ``V**n``
-    tuples for ``iid`` and ``without_replacement``, ``V`` for ``greedy``,
+    tuples for ``iid`` and ``without_replacement``, ``V`` for ``greedy_draft``,
     ``2V`` for ``spechub`` and 1 for ``deterministic``.
 
     Examples
@@ -845,7 +846,7 @@ def draft_tuple_law(q: ArrayLike, n: int, sampling: str) -> TupleLaw:
                 left[x] = 0.0
             rows.append(tup)
             probs.append(pr)
-    elif sampling == "greedy":
+    elif sampling == "greedy_draft":
         fixed, rest = greedy_parts(qa, n)
         head = tuple(int(i) for i in fixed)
         if rest.any():

@@ -58,8 +58,8 @@ Exact per-law algorithms
   marginal gains along the order never decrease, so ``Q`` is convex in the
   prefix mass and every exact value bounds its neighbours through chords.  The
   result is exact; the run time depends on how many prefixes survive.
-* ``"greedy"``: ``alpha* = p(T) + sum_{y not in T} min(p(y), q'(y))`` in ``O(V)``.
-* ``"spechub"``: same unordered law as greedy with ``n = 2``.
+* ``"greedy_draft"``: ``alpha* = p(T) + sum_{y not in T} min(p(y), q'(y))`` in ``O(V)``.
+* ``"spechub"``: same unordered law as greedy_draft with ``n = 2``.
 * ``"deterministic"``: ``alpha* = p(top-n of q)``.
 
 References
@@ -584,7 +584,7 @@ def optimal_subset(p: ArrayLike, q: ArrayLike, n: int, sampling: str = "iid") ->
         Draft distribution.
     n : int
         Number of drafted children.
-    sampling : {"iid", "without_replacement", "greedy", "spechub", "deterministic"}
+    sampling : {"iid", "without_replacement", "greedy_draft", "spechub", "deterministic"}
         Draft law (see :mod:`ot_bounds.draft_laws`).
 
     Returns
@@ -604,7 +604,7 @@ def optimal_subset(p: ArrayLike, q: ArrayLike, n: int, sampling: str = "iid") ->
         return _iid(pa, qa, n)
     if sampling == "without_replacement":
         return _without_replacement(pa, qa, n)
-    if sampling in ("greedy", "spechub"):
+    if sampling in ("greedy_draft", "spechub"):
         return _greedy(pa, qa, n, sampling)
     top = top_indices(qa, n)
     return _finish(pa, qa, n, sampling, top)
@@ -626,7 +626,7 @@ def optimal_acceptance(p: ArrayLike, q: ArrayLike, n: int, sampling: str = "iid"
         Draft distribution.
     n : int
         Number of drafted children (>= 1).
-    sampling : {"iid", "without_replacement", "greedy", "spechub", "deterministic"}
+    sampling : {"iid", "without_replacement", "greedy_draft", "spechub", "deterministic"}
         Draft law; the first three are the main ones.
 
     Returns

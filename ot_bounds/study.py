@@ -14,7 +14,7 @@ reusing the order for every ``n``:
   the closed form ``Q_2(H) = s - (1 - s) sum_H q / (1 - q)`` on the same
   prefixes; ``n >= 3``: :func:`ot_bounds.optimal_acceptance` on a truncated
   vocabulary with a rigorous error bound (:func:`truncated_wor_optimal`);
-* optimal, ``"greedy"``: ``p(T) + sum_{y not in T} min(p, q')``;
+* optimal, ``"greedy_draft"``: ``p(T) + sum_{y not in T} min(p, q')``;
 * verifiers ``single``, ``rrs``, ``kseq``, ``spechub``, ``greedy_draft``,
   ``deterministic``: the closed forms of :mod:`ot_bounds.verifiers`
   (``kseq``'s ``rho*`` by bisection on the sorted ratios: ``beta(rho)`` is a

@@ -40,6 +40,7 @@ Hu et al., "Towards Optimal Multi-draft Speculative Decoding", ICLR 2025, arXiv:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -65,7 +66,7 @@ VERIFIER_LAW: dict[str, str] = {
     "rrs_without_replacement": "without_replacement",
     "kseq": "iid",
     "spechub": "spechub",
-    "greedy_draft": "greedy",
+    "greedy_draft": "greedy_draft",
     "deterministic": "deterministic",
 }
 
@@ -218,8 +219,133 @@ def _analytic(p: NDArray[np.float64], q: NDArray[np.float64], n: int, verifier: 
     if verifier == "deterministic":
         return float(p[top_indices(q, n)].sum())
     if verifier == "rrs_without_replacement":
-        check_small_vocab(p.size, n, "without_replacement", 2_000_000, "rrs_without_replacement acceptance")
+        check_small_vocab(p.size, n, "without_replacement", 2_000_000, "rrs_without_replacement acceptance",
+                          advice="Use a smaller n (its recursion visits every ordered draft tuple).")
         return _rrs_wor_recursive(p, q, n)
+    raise AssertionError(verifier)
+
+
+class _Tally:
+    """What the enumeration accumulates: ``P(the k-th draft is accepted)`` and the law of the emitted token."""
+
+    def __init__(self, m: int, v: int) -> None:
+        self.accepted_at = np.zeros(m)  # shape (m,)
+        self.output = np.zeros(v)  # shape (V,)
+
+    def accept(self, position: int, token: int, mass: float) -> None:
+        self.accepted_at[position] += mass
+        self.output[token] += mass
+
+
+#: one ordered draft tuple through a verifier's tests: (tuple, its probability, tally) -> (P(no draft accepted
+#: | tuple), the residual law the output is drawn from then)
+_Walk = Callable[[list[int], float, _Tally], tuple[float, NDArray[np.float64]]]
+
+
+def _sequential_walk(pa: NDArray[np.float64], qa: NDArray[np.float64], without_replacement: bool) -> _Walk:
+    """single / rrs / rrs_without_replacement: each draft tested against the residual left by the previous ones."""
+
+    def walk(tup: list[int], prob: float, tally: _Tally) -> tuple[float, NDArray[np.float64]]:
+        alive, r, qc = 1.0, pa, qa
+        for i, x in enumerate(tup):
+            acc = min(1.0, r[x] / qc[x]) if qc[x] > 0 else 0.0
+            tally.accept(i, x, prob * alive * acc)
+            alive *= 1.0 - acc
+            r_new = _residual(r, qc)
+            if without_replacement:
+                qc = qc.copy()
+                qc[x] = 0.0
+                qc = _normalise(qc)
+            r = r_new if r_new.sum() > 0 else r
+        return alive, r
+
+    return walk
+
+
+def _kseq_walk(pa: NDArray[np.float64], qa: NDArray[np.float64], n: int) -> _Walk:
+    rho, _beta, _tot, kseq_res = _kseq_parts(pa, qa, n)
+
+    def walk(tup: list[int], prob: float, tally: _Tally) -> tuple[float, NDArray[np.float64]]:
+        alive = 1.0
+        for i, x in enumerate(tup):
+            acc = min(1.0, pa[x] / (rho * qa[x]))
+            tally.accept(i, x, prob * alive * acc)
+            alive *= 1.0 - acc
+        return alive, kseq_res
+
+    return walk
+
+
+def _spechub_walk(pa: NDArray[np.float64], qa: NDArray[np.float64]) -> _Walk:
+    a, q_ia, q_ai, f1, f2, left_ia, left_ai, fa1, fa2 = _spechub_plan(pa, qa)
+    res_hub = pa.copy()
+    res_hub -= f1 + f2
+    res_hub[a] -= fa1 + fa2
+    res_hub = _normalise(np.maximum(res_hub, 0.0))
+
+    def walk(tup: list[int], prob: float, tally: _Tally) -> tuple[float, NDArray[np.float64]]:
+        if len(set(tup)) == 1:  # q is a point mass: single draft a
+            x = tup[0]
+            acc = min(1.0, pa[x])
+            tally.accept(0, x, prob * acc)
+            return 1.0 - acc, _residual(pa, qa)
+        x1, x2 = tup
+        if x2 == a:  # pair (i, a)
+            i, mass, flow_i, left = x1, q_ia[x1], f1[x1], left_ia[x1]
+            flow_a = left * (fa2 / left_ia.sum() if left_ia.sum() > 0 else 0.0)
+            pos_i, pos_a = 0, 1
+        else:  # pair (a, i)
+            i, mass, flow_i, left = x2, q_ai[x2], f2[x2], left_ai[x2]
+            flow_a = left * (fa1 / left_ai.sum() if left_ai.sum() > 0 else 0.0)
+            pos_i, pos_a = 1, 0
+        acc_i, acc_a = flow_i / mass, flow_a / mass
+        tally.accept(pos_i, i, prob * acc_i)
+        tally.accept(pos_a, a, prob * acc_a)
+        return max(1.0 - acc_i - acc_a, 0.0), res_hub
+
+    return walk
+
+
+def _greedy_draft_walk(pa: NDArray[np.float64], qa: NDArray[np.float64], n: int) -> _Walk:
+    _fixed, rest = greedy_parts(qa, n)
+
+    def walk(tup: list[int], prob: float, tally: _Tally) -> tuple[float, NDArray[np.float64]]:
+        if not rest.any():
+            return 1.0, pa
+        x = tup[-1]
+        acc = min(1.0, pa[x] / rest[x])
+        tally.accept(len(tup) - 1, x, prob * acc)
+        return 1.0 - acc, _residual(pa, rest)
+
+    return walk
+
+
+def _deterministic_walk(pa: NDArray[np.float64]) -> _Walk:
+    def walk(tup: list[int], prob: float, tally: _Tally) -> tuple[float, NDArray[np.float64]]:
+        alive, r = 1.0, pa
+        for i, x in enumerate(tup):
+            acc = r[x]
+            tally.accept(i, x, prob * alive * acc)
+            alive *= 1.0 - acc
+            r = r.copy()
+            r[x] = 0.0
+            r = _normalise(r) if r.sum() > _EPS else r
+        return alive, r
+
+    return walk
+
+
+def _walk(pa: NDArray[np.float64], qa: NDArray[np.float64], n: int, verifier: str) -> _Walk:
+    if verifier in ("single", "rrs", "rrs_without_replacement"):
+        return _sequential_walk(pa, qa, verifier == "rrs_without_replacement")
+    if verifier == "kseq":
+        return _kseq_walk(pa, qa, n)
+    if verifier == "spechub":
+        return _spechub_walk(pa, qa)
+    if verifier == "greedy_draft":
+        return _greedy_draft_walk(pa, qa, n)
+    if verifier == "deterministic":
+        return _deterministic_walk(pa)
     raise AssertionError(verifier)
 
 
@@ -241,93 +367,16 @@ def verifier_outcome(p: ArrayLike, q: ArrayLike, n: int, verifier: str) -> Verif
     law_name = VERIFIER_LAW[verifier]
     check_small_vocab(pa.size, n, law_name, 200_000, "verifier_outcome")
     law = draft_tuple_law(qa, n, law_name)
-    m = law.tuples.shape[1]
-    output = np.zeros(pa.size)
-    accepted_at = np.zeros(m)
+    tally = _Tally(law.tuples.shape[1], pa.size)
+    walk = _walk(pa, qa, n, verifier)
     in_drafts = 0.0
-    if verifier == "kseq":
-        rho, _beta, _tot, kseq_res = _kseq_parts(pa, qa, n)
-    if verifier == "spechub":
-        a, q_ia, q_ai, f1, f2, left_ia, left_ai, fa1, fa2 = _spechub_plan(pa, qa)
-        res_hub = pa.copy()
-        res_hub -= f1 + f2
-        res_hub[a] -= fa1 + fa2
-        res_hub = _normalise(np.maximum(res_hub, 0.0))
-    if verifier == "greedy_draft":
-        fixed, rest = greedy_parts(qa, n)
     for tup, prob in zip(law.tuples.tolist(), law.probs.tolist()):
-        drafts = sorted(set(tup))
-        alive = 1.0  # P(no acceptance yet | tuple)
-        residual = pa
-        if verifier in ("single", "rrs", "rrs_without_replacement"):
-            r, qc = pa, qa
-            for i, x in enumerate(tup):
-                acc = min(1.0, r[x] / qc[x]) if qc[x] > 0 else 0.0
-                accepted_at[i] += prob * alive * acc
-                output[x] += prob * alive * acc
-                alive *= 1.0 - acc
-                r_new = _residual(r, qc)
-                if verifier == "rrs_without_replacement":
-                    qc = qc.copy()
-                    qc[x] = 0.0
-                    qc = _normalise(qc)
-                r = r_new if r_new.sum() > 0 else r
-            residual = r
-        elif verifier == "kseq":
-            for i, x in enumerate(tup):
-                acc = min(1.0, pa[x] / (rho * qa[x]))
-                accepted_at[i] += prob * alive * acc
-                output[x] += prob * alive * acc
-                alive *= 1.0 - acc
-            residual = kseq_res
-        elif verifier == "spechub":
-            if len(set(tup)) == 1:  # q is a point mass: single draft a
-                x = tup[0]
-                acc = min(1.0, pa[x])
-                accepted_at[0] += prob * acc
-                output[x] += prob * acc
-                alive = 1.0 - acc
-                residual = _residual(pa, qa)
-            else:
-                x1, x2 = tup
-                if x2 == a:  # pair (i, a)
-                    i, mass, flow_i, left = x1, q_ia[x1], f1[x1], left_ia[x1]
-                    flow_a = left * (fa2 / left_ia.sum() if left_ia.sum() > 0 else 0.0)
-                    pos_i, pos_a = 0, 1
-                else:  # pair (a, i)
-                    i, mass, flow_i, left = x2, q_ai[x2], f2[x2], left_ai[x2]
-                    flow_a = left * (fa1 / left_ai.sum() if left_ai.sum() > 0 else 0.0)
-                    pos_i, pos_a = 1, 0
-                acc_i, acc_a = flow_i / mass, flow_a / mass
-                accepted_at[pos_i] += prob * acc_i
-                accepted_at[pos_a] += prob * acc_a
-                output[i] += prob * acc_i
-                output[a] += prob * acc_a
-                alive = max(1.0 - acc_i - acc_a, 0.0)
-                residual = res_hub
-        elif verifier == "greedy_draft":
-            x = tup[-1]
-            if rest.any():
-                acc = min(1.0, pa[x] / rest[x])
-                accepted_at[len(tup) - 1] += prob * acc
-                output[x] += prob * acc
-                alive = 1.0 - acc
-                residual = _residual(pa, rest)
-        elif verifier == "deterministic":
-            r = pa
-            for i, x in enumerate(tup):
-                acc = r[x]
-                accepted_at[i] += prob * alive * acc
-                output[x] += prob * alive * acc
-                alive *= 1.0 - acc
-                r = r.copy()
-                r[x] = 0.0
-                r = _normalise(r) if r.sum() > _EPS else r
-            residual = r
-        output += prob * alive * residual
-        in_drafts += prob * (1.0 - alive) + prob * alive * float(residual[drafts].sum())
-    accepted = float(accepted_at.sum())
-    return VerifierOutcome(in_drafts=float(in_drafts), accepted=accepted, accepted_at=accepted_at, output=output)
+        alive, residual = walk(tup, prob, tally)  # alive: P(no draft accepted | tuple)
+        tally.output += prob * alive * residual
+        in_drafts += prob * (1.0 - alive) + prob * alive * float(residual[sorted(set(tup))].sum())
+    accepted = float(tally.accepted_at.sum())
+    return VerifierOutcome(in_drafts=float(in_drafts), accepted=accepted, accepted_at=tally.accepted_at,
+                           output=tally.output)
 
 
 def verifier_acceptance(

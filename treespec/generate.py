@@ -9,6 +9,7 @@ decoding.
 from __future__ import annotations
 
 import numbers
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ def _is_integer(value) -> bool:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """max_new_tokens: exact cap on generated tokens. seed: makes sampling reproducible.
+    """max_new_tokens: exact cap on generated tokens. seed: makes sampling reproducible; None (the default)
+    draws a fresh seed per call, recorded in :attr:`GenerationResult.seed` (pass it back to reproduce a run).
     stop_on_eos: end generation at the first EOS token (included in the output).
     verifier: a name in :data:`treespec.verify.VERIFIERS`, or "auto" (greedy at temperature 0,
     else the verifier matching the drafter's law).
@@ -45,7 +47,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 64
     sampling: SamplingConfig = SamplingConfig()
-    seed: int | None = 0
+    seed: int | None = None
     stop_on_eos: bool = True
     verifier: str = "auto"
     leaf_logits: bool = True
@@ -87,7 +89,9 @@ class GenerationResult:
     wall_s: float = 0.0
     prefill_s: float = 0.0  # prompt prefill (included in wall_s, in no step)
     text: str | None = None
+    seed: int = 0  # the sampling seed used: the config's, or the one drawn for a config with seed=None
     stopped_on_eos: bool = False
+    stopped_by_hook: bool = False  # the ``on_tokens`` hook asked generation to stop
 
     @property
     def target_calls(self) -> int:
@@ -115,6 +119,7 @@ class GenerationResult:
             "verify_s": verify,
             "other_s": other,
             "stopped_on_eos": self.stopped_on_eos,
+            "stopped_by_hook": self.stopped_by_hook,
         }
 
 
@@ -233,10 +238,89 @@ def generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | tor
                 del _IN_USE[id(obj)]
 
 
+def _check_prompt(prompt: list[int], runner: TargetRunner, max_new_tokens: int) -> None:
+    if not prompt:
+        raise ValueError("empty prompt: give at least one token (a text prompt must not tokenize to nothing)")
+    if any(t < 0 or t >= runner.vocab_size for t in prompt):
+        raise ValueError(f"prompt has token ids outside the target vocabulary [0, {runner.vocab_size})")
+    if runner.max_positions is not None and len(prompt) + max_new_tokens > runner.max_positions:
+        raise ValueError(
+            f"context overflow: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the target's context of {runner.max_positions} tokens"
+        )
+
+
+class _Verifier:
+    """The verifier of the config, or with ``"auto"`` the one matching each tree's law (a drafter may mix laws,
+    e.g. n-gram + head)."""
+
+    def __init__(self, name: str, law: str, sampling: SamplingConfig) -> None:
+        self.asked, self.law, self.sampling = name, law, sampling
+        self.name, self.verify = _verifier(name, law, sampling)
+
+    def follow(self, law: str) -> None:
+        """Switch to the verifier of a tree drafted under another ``law`` (with "auto" only)."""
+        if self.asked == "auto" and law != self.law:
+            self.law = law
+            self.name, self.verify = _verifier("auto", law, self.sampling)
+
+
+class _TreePass:
+    """The target's side of the loop: the prompt's prefill, then one pass over each drafted tree, keeping what
+    the next proposal needs (the hidden states of the accepted path, for drafters that read them)."""
+
+    def __init__(self, runner: TargetRunner, drafter: Drafter, config: GenerationConfig) -> None:
+        self.runner, self.sampling, self.leaf_logits = runner, config.sampling, config.leaf_logits
+        # target layers a head reads besides the last hidden state (asked for only when there are any)
+        self.features = {"feature_layers": feature_layers(drafter)} if feature_layers(drafter) else {}
+        self.hidden = reads_target_hidden(drafter)
+        self.out: dict = {}
+        self.rows: torch.Tensor | None = None  # [R] the nodes the last pass gave rows for; None: every node
+
+    def prefill(self, prompt: list[int]) -> torch.Tensor | None:
+        """The prompt but its last token (the first root) into the cache. Returns the prefill's hidden states
+        (positions 0..len-2, the last predicts the first root), so hidden-state drafters draft from step one."""
+        if len(prompt) == 1:
+            return None
+        out = self.runner.forward(None, None, torch.tensor(prompt[:-1], device=self.runner.device),
+                                  need_logits=False, need_hidden=self.hidden, **self.features)
+        return out.get("hidden")
+
+    def verify(self, draft: Draft, verifier: _Verifier, generator: torch.Generator) -> VerifyResult:
+        """One target pass over the whole tree, then the verifier's verdict on it."""
+        tree = draft.tree
+        nodes = torch.arange(tree.num_nodes, device=self.runner.device)  # [num_nodes]
+        self.rows = None if self.leaf_logits or tree.num_nodes == 1 else tree.verified_nodes  # [R] or all
+        picked = {} if self.rows is None else {"rows": self.rows}  # (a runner written before ``rows`` serves every row)
+        self.out = self.runner.forward(tree, nodes, need_hidden=self.hidden, **picked, **self.features)
+        logits = self.out["logits"]  # [num_nodes or R, vocab]
+        # the greedy verifier needs only each row's argmax: logits serve as they are
+        target_probs = logits if verifier.name == "greedy" else logits_to_probs(logits, self.sampling)
+        return verifier.verify(tree, target_probs, draft.draft_probs, generator)
+
+    def hidden_of(self, kept: list[int]) -> torch.Tensor | None:
+        """The last pass's hidden states of the ``kept`` nodes (every kept node has a row: it has children or is
+        the root); None for drafters that read none."""
+        if not self.hidden:
+            return None
+        kept_rows = torch.tensor(kept, device=self.runner.device)  # [len(kept)]
+        return self.out["hidden"][kept_rows if self.rows is None else torch.searchsorted(self.rows, kept_rows)]
+
+
+def _cut(tokens: list[int], remaining: int, eos: set[int]) -> tuple[list[int], bool]:
+    """The step's tokens cut at ``max_new_tokens`` (``remaining`` left) and after the first EOS token; and
+    whether an EOS token ended them."""
+    emitted = tokens[:remaining]
+    for i, tok in enumerate(emitted):
+        if tok in eos:
+            return emitted[: i + 1], True
+    return emitted, False
+
+
 @torch.no_grad()
 def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | torch.Tensor,
              drafter: Drafter | None = None, config: GenerationConfig = GenerationConfig(), *,
-             tokenizer=None, callback: Callable[[list[int]], None] | None = None,
+             tokenizer=None, on_tokens: Callable[[list[int]], bool | None] | None = None,
              eos_ids: set[int] | None = None) -> GenerationResult:
     """Tree-speculative generation (plain decoding when ``drafter`` is None).
 
@@ -248,91 +332,57 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
     drafter : proposes a token tree each step; None decodes one token per target pass.
     config : generation options.
     tokenizer : if given, the result carries the decoded text.
-    callback : called with the tokens appended at each step (streaming).
+    on_tokens : called after each step with the tokens that step committed (accepted, then the recovered
+        or bonus token; cut at EOS and at ``max_new_tokens``), for streaming and stop strings: the calls'
+        concatenation is ``result.token_ids``. Returning True (a true value) stops generation after that
+        step (the result ends with those tokens, ``result.stopped_by_hook`` is set); its errors propagate.
     eos_ids : EOS token ids (default: the target's generation config).
     """
     prompt = prompt_list(prompt_ids)
     runner = target_runner(target)
     drafter = drafter if drafter is not None else NoDrafter()
     check_draft_vocabulary(drafter, runner.vocab_size)
-    if not prompt:
-        raise ValueError("empty prompt: give at least one token (a text prompt must not tokenize to nothing)")
-    if any(t < 0 or t >= runner.vocab_size for t in prompt):
-        raise ValueError(f"prompt has token ids outside the target vocabulary [0, {runner.vocab_size})")
-    if runner.max_positions is not None and len(prompt) + config.max_new_tokens > runner.max_positions:
-        raise ValueError(
-            f"context overflow: prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) "
-            f"exceeds the target's context of {runner.max_positions} tokens"
-        )
+    _check_prompt(prompt, runner, config.max_new_tokens)
     sampling = config.sampling
-    law = drafter.law(sampling)
-    verifier_name, verify = _verifier(config.verifier, law, sampling)
+    verifier = _Verifier(config.verifier, drafter.law(sampling), sampling)
     eos = target_eos_ids(runner) if eos_ids is None else set(eos_ids)
+    seed = config.seed if config.seed is not None else secrets.randbits(63)
     generator = torch.Generator(device=runner.device)
-    if config.seed is not None:
-        generator.manual_seed(config.seed)
-    else:
-        generator.seed()
+    generator.manual_seed(seed)
 
     start = time.perf_counter()
     runner.reset()
-    # target layers a head reads besides the last hidden state (asked for only when there are any)
-    features = {"feature_layers": feature_layers(drafter)} if feature_layers(drafter) else {}
-    hidden = reads_target_hidden(drafter)
-    target_hidden = None
-    if len(prompt) > 1:
-        # the prefill's hidden states (positions 0..len-2; the last predicts the first root) go to
-        # the first proposal, so hidden-state drafters can draft from step one
-        out = runner.forward(None, None, torch.tensor(prompt[:-1], device=runner.device),
-                             need_logits=False, need_hidden=hidden, **features)
-        target_hidden = out.get("hidden")
+    tree_pass = _TreePass(runner, drafter, config)
+    target_hidden = tree_pass.prefill(prompt)
     drafter.begin(prompt)
     seq = list(prompt)
-    result = GenerationResult(prompt, [])
+    result = GenerationResult(prompt, [], seed=seed)
     result.prefill_s = time.perf_counter() - start
     while len(result.token_ids) < config.max_new_tokens:
         t0 = time.perf_counter()
         remaining = config.max_new_tokens - len(result.token_ids)
         # propose
         draft: Draft = drafter.propose(DraftState(seq, remaining - 1, target_hidden, runner), sampling, generator)
-        tree = draft.tree
-        if config.verifier == "auto" and tree.law != law:  # a drafter mixing laws (e.g. n-gram + head)
-            law = tree.law
-            verifier_name, verify = _verifier("auto", law, sampling)
+        verifier.follow(draft.tree.law)
         t1 = time.perf_counter()
         # verify the whole tree in one target pass
-        nodes = torch.arange(tree.num_nodes, device=runner.device)
-        rows = None if config.leaf_logits or tree.num_nodes == 1 else tree.verified_nodes  # [R] or all
-        picked = {} if rows is None else {"rows": rows}  # (a runner written before ``rows`` serves every row)
-        out = runner.forward(tree, nodes, need_hidden=hidden, **picked, **features)
-        # the greedy verifier needs only each row's argmax: logits serve as they are
-        target_probs = out["logits"] if verifier_name == "greedy" else logits_to_probs(out["logits"], sampling)
-        verdict = verify(tree, target_probs, draft.draft_probs, generator)
+        verdict = tree_pass.verify(draft, verifier, generator)
         t2 = time.perf_counter()
-        # accept: cut at EOS and at max_new_tokens
-        emitted = verdict.tokens[:remaining]
-        for i, tok in enumerate(emitted):
-            if tok in eos and config.stop_on_eos:
-                emitted = emitted[: i + 1]
-                result.stopped_on_eos = True
-                break
-        # commit the accepted path to the caches (the newest emitted token stays pending)
+        # commit: the tokens cut at EOS and max_new_tokens, their path into the caches (the newest token stays
+        # pending: the root of the next tree)
+        emitted, result.stopped_on_eos = _cut(verdict.tokens, remaining, eos if config.stop_on_eos else set())
         kept = [0, *verdict.accepted_nodes[: len(emitted) - 1]]
         runner.commit(kept)
         drafter.accept(verdict, emitted)
-        if hidden:  # rows of the kept nodes (every kept node has a row: it has children or is the root)
-            kept_rows = torch.tensor(kept, device=runner.device)
-            target_hidden = out["hidden"][kept_rows if rows is None else torch.searchsorted(rows, kept_rows)]
-        else:
-            target_hidden = None
+        target_hidden = tree_pass.hidden_of(kept)
         seq.extend(emitted)
         result.token_ids.extend(emitted)
-        if callback is not None:
-            callback(emitted)
+        result.stopped_by_hook = on_tokens is not None and bool(on_tokens(list(emitted)))
         t3 = time.perf_counter()
-        result.steps.append(StepStats(tree.num_nodes - 1, verdict.num_accepted, len(emitted),
+        # statistics
+        result.steps.append(StepStats(draft.tree.num_nodes - 1, verdict.num_accepted, len(emitted),
                                       t1 - t0, t2 - t1, t3 - t2))
-        if result.stopped_on_eos:
+        if result.stopped_on_eos or result.stopped_by_hook:
             break
     result.wall_s = time.perf_counter() - start
     if tokenizer is not None:

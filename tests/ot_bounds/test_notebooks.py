@@ -29,12 +29,12 @@ STUDY_NOTEBOOK = ROOT / "notebooks" / "02_real_model_study.ipynb"
 STUDY_RESULTS = ROOT / "benchmarks" / "results" / "ot_study" / "2026-11-25-f5b5598"  # the run the README quotes
 
 
-def _run_study_notebook(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
+def _run_study_notebook(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], cwd: Path = ROOT) -> str:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(STUDY_NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
     client.execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not any(o.output_type == "error" for o in outputs)
@@ -49,6 +49,15 @@ def test_study_notebook_runs_on_saved_results(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv("OT_STUDY_NB_RECOMPUTE", raising=False)
     monkeypatch.delenv("OT_STUDY_NB_RESULTS", raising=False)  # the notebook's own default: the run the README quotes
     text = _run_study_notebook(monkeypatch, {})
+    assert f"results: {STUDY_RESULTS.relative_to(ROOT)}" in text
+    assert "study summary printed above: done" in text
+
+
+def test_study_notebook_runs_from_any_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Notebook (b) finds the repository from the ot_bounds package, not from the working folder."""
+    monkeypatch.delenv("OT_STUDY_NB_RECOMPUTE", raising=False)
+    monkeypatch.delenv("OT_STUDY_NB_RESULTS", raising=False)
+    text = _run_study_notebook(monkeypatch, {}, cwd=tmp_path)
     assert f"results: {STUDY_RESULTS.relative_to(ROOT)}" in text
     assert "study summary printed above: done" in text
 

@@ -14,7 +14,7 @@ from ot_bounds import (
 )
 
 TOL = 1e-7
-SAMPLINGS = ("iid", "without_replacement", "greedy")
+SAMPLINGS = ("iid", "without_replacement", "greedy_draft")
 
 
 def _instances(seed: int, count: int) -> list[tuple[np.ndarray, np.ndarray, int]]:

@@ -85,3 +85,30 @@ def test_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cube = _save(tmp_path, "cube.npy", np.full((2, 2, 2), 0.5))
     assert main([cube, cube]) == 2
     assert "1-D" in capsys.readouterr().err
+
+
+def test_greedy_draft_is_the_law_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI names greedy drafting as treespec does (``greedy_draft``), in its options, help and output."""
+    p, q = [0.1, 0.5, 0.4], [0.5, 0.3, 0.2]
+    files = [_save(tmp_path, "p.npy", p), _save(tmp_path, "q.npy", q)]
+    assert main([*files, "--n", "2", "--sampling", "greedy_draft", "--verifier", "greedy_draft", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sampling"] == "greedy_draft"
+    assert out["rows"][0]["optimal"] == pytest.approx(optimal_acceptance(p, q, 2, "greedy_draft"))
+    assert out["rows"][0]["verifier_law_optimal"] == pytest.approx(out["rows"][0]["optimal"])
+    assert main([*files, "--n", "2", "--sampling", "greedy"]) == 2
+    assert "unknown sampling 'greedy'" in (err := capsys.readouterr().err) and "--sampling greedy_draft" in err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "greedy_draft" in help_text and "'greedy'" not in help_text
+
+
+def test_too_large_enumeration_is_told_in_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refused enumeration says what to type (--n, --verifier), not which Python function to call."""
+    p = np.full(1500, 1 / 1500)
+    files = [_save(tmp_path, "p.npy", p), _save(tmp_path, "q.npy", p)]
+    assert main([*files, "--n", "2", "--verifier", "rrs_without_replacement"]) == 2
+    err = capsys.readouterr().err
+    assert "--verifier rrs_without_replacement enumerates" in err and "use a smaller --n" in err
+    assert "optimal_acceptance" not in err and err.count("\n") == 1

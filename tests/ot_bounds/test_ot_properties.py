@@ -16,7 +16,7 @@ from ot_bounds import (
 )
 from ot_bounds.verifiers import kseq_rho
 
-SAMPLINGS = ("iid", "without_replacement", "greedy")
+SAMPLINGS = ("iid", "without_replacement", "greedy_draft")
 PROFILE = settings(max_examples=int(__import__("os").environ.get("OT_PROPERTY_EXAMPLES", "35")), derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -79,7 +79,7 @@ def test_orderings(pq, n) -> None:
     p, q = pq
     iid = [optimal_acceptance(p, q, m, "iid") for m in range(1, n + 2)]
     wor = [optimal_acceptance(p, q, m, "without_replacement") for m in range(1, n + 2)]
-    greedy = [optimal_acceptance(p, q, m, "greedy") for m in range(1, n + 2)]
+    greedy = [optimal_acceptance(p, q, m, "greedy_draft") for m in range(1, n + 2)]
     for seq in (iid, wor, greedy):
         assert all(b >= a - 1e-12 for a, b in zip(seq, seq[1:]))  # non-decreasing in n
     assert all(w >= i - 1e-12 for w, i in zip(wor, iid))  # without replacement >= iid
@@ -118,7 +118,7 @@ def test_kseq_acceptance_formula(pq, n) -> None:
 def test_greedy_draft_verifier_is_optimal(pq, n) -> None:
     """Hu et al.: greedy drafting + single-draft verification attains alpha* of its law."""
     p, q = pq
-    assert verifier_acceptance(p, q, n, "greedy_draft") == pytest.approx(optimal_acceptance(p, q, n, "greedy"), abs=1e-12)
+    assert verifier_acceptance(p, q, n, "greedy_draft") == pytest.approx(optimal_acceptance(p, q, n, "greedy_draft"), abs=1e-12)
 
 
 def test_known_small_values() -> None:
@@ -136,7 +136,7 @@ def test_known_small_values() -> None:
     rng = np.random.default_rng(3)
     for _ in range(20):
         a, b = rng.dirichlet(np.ones(6)), rng.dirichlet(np.ones(6))
-        assert optimal_acceptance(a, b, 2, "spechub") == pytest.approx(optimal_acceptance(a, b, 2, "greedy"))
+        assert optimal_acceptance(a, b, 2, "spechub") == pytest.approx(optimal_acceptance(a, b, 2, "greedy_draft"))
 
 
 def test_rrs_analytic_matches_enumeration_wider() -> None:

@@ -818,14 +818,14 @@ def test_registries_agree():
 
 def test_engine_and_ot_bounds_verifier_tables_agree():
     """ot_bounds may not import treespec, so it keeps its own verifier -> law table; the two
-    must name the same verifiers (ot_bounds has no "greedy") under the same draft law
-    (ot_bounds spells the engine's "greedy_draft" law "greedy")."""
+    must name the same verifiers (ot_bounds has no "greedy") under the same draft law, spelt alike."""
     import ot_bounds.verifiers as ob
+    from ot_bounds import TUPLE_LAWS
 
-    spelling = {"greedy_draft": "greedy"}
     assert set(ob.VERIFIERS) == set(ob.VERIFIER_LAW) == set(LAW_OF_VERIFIER) - {"greedy", "block"}
     for name, law in ob.VERIFIER_LAW.items():
-        assert spelling.get(LAW_OF_VERIFIER[name], LAW_OF_VERIFIER[name]) == law, name
+        assert LAW_OF_VERIFIER[name] == law, name
+    assert set(TUPLE_LAWS) == set(DRAFT_LAWS)
 
 
 # ====================================================================== K-SEQ details
@@ -872,12 +872,11 @@ def test_ot_bounds_verifier_table_agrees_with_the_engine():
     verifiers it scores are the engine's, each under the engine's draft law."""
     from ot_bounds.verifiers import VERIFIER_LAW, VERIFIERS as OT_VERIFIERS
 
-    engine_law = {"greedy": "greedy_draft"}  # ot_bounds' name of the greedy-drafting law
     # greedy (temperature 0) has no coupling to score; block verification judges chains, not one node's drafts
     assert set(OT_VERIFIERS) == set(VERIFIERS) - {"greedy", "block"}
     for name in OT_VERIFIERS:
-        assert engine_law.get(VERIFIER_LAW[name], VERIFIER_LAW[name]) == LAW_OF_VERIFIER[name], name
-    assert set(engine_law.values()) <= set(DRAFT_LAWS)
+        assert VERIFIER_LAW[name] == LAW_OF_VERIFIER[name], name
+        assert VERIFIER_LAW[name] in DRAFT_LAWS
 
 
 @pytest.mark.parametrize("name", ["rrs", "rrs_without_replacement"])
