@@ -40,5 +40,11 @@ test-fast: setup-peers
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -ra -m "not gemma"
 
+# the benchmark protocol (docs/benchmarks.md): installs the bench extra, then runs benchmarks/run.py $(BENCH_ARGS)
+BENCH_ARGS ?= --quick
+bench: setup-peers
+	$(BIN)/python -m pip install -q -e ".[dev,peers,bench]"
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

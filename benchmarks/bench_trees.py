@@ -54,7 +54,7 @@ from treespec.sampling import SamplingConfig  # noqa: E402
 from treespec.trees.sequoia import AcceptanceVector, SequoiaDP, predicted_tau  # noqa: E402
 
 from benchmarks.common import (SHARED, add_output_args, bootstrap_ci, finish, median, open_results,  # noqa: E402
-                               write_json)
+                               require_shared, write_json)
 from benchmarks.common import load_prompts as load_all_prompts  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
@@ -75,8 +75,8 @@ def _held_out_pool() -> list[dict]:
     """Train rows in no shipped head's corpora, in the seed-0 shuffle's order."""
     from treespec.distill.corpus import read_prompts as shuffled_prompts
 
-    seen = {r["id"] for r in shuffled_prompts(TRAIN, seed=1)[:HEAD_ROWS_SEED1]}
-    return [r for r in shuffled_prompts(TRAIN, seed=0)[HEAD_ROWS_SEED0:] if r["id"] not in seen]
+    seen = {r["id"] for r in shuffled_prompts(require_shared(TRAIN), seed=1)[:HEAD_ROWS_SEED1]}
+    return [r for r in shuffled_prompts(require_shared(TRAIN), seed=0)[HEAD_ROWS_SEED0:] if r["id"] not in seen]
 
 
 def held_out_eval_rows(per_subtask: int, calib_count: int) -> list[dict]:
@@ -126,7 +126,7 @@ def calibration_sequences(target, draft, encode, args):
     with ``--calib-generated-only``, so only positions a generation drafts at are counted.
     """
     if not args.calib_held_out:
-        texts = read_prompt_texts(TRAIN, args.calib_prompts)
+        texts = read_prompt_texts(require_shared(TRAIN), args.calib_prompts)
     else:
         texts = [r["prompt"] for r in held_out_rows(args.calib_prompts, args.calib_mix)]
     n, limit = args.calib_continue, args.calib_max_len
@@ -254,7 +254,7 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", default=None,
                     help="draft for the model builders: 'head' (the shipped draft head), a head .safetensors, "
@@ -294,8 +294,11 @@ def main(argv=None) -> int:
                          "disjoint from the calibration rows (needs --calib-held-out --calib-mix specbench)")
     ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
     add_output_args(ap)
-    args = ap.parse_args(argv)
-    started = time.time()
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse contradictory calibration / evaluation options (exit 2) and apply ``--quick``."""
     if args.eval_prompts == "heldout" and not (args.calib_held_out and args.calib_mix == "specbench"):
         ap.error("--eval-prompts heldout needs --calib-held-out --calib-mix specbench (disjoint rows)")
     if args.calib_generated_only and not args.calib_continue:
@@ -305,13 +308,11 @@ def main(argv=None) -> int:
     if args.quick:
         args.per_subtask, args.max_new_tokens, args.budgets = 1, 16, "8,16"
         args.calib_prompts = min(args.calib_prompts, 8)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    budgets = [int(b) for b in args.budgets.split(",")]
-    temps = [float(t) for t in args.temperatures.split(",")]
-    rows = (load_prompts(args.per_subtask) if args.eval_prompts == "specbench"
-            else held_out_eval_rows(args.per_subtask, args.calib_prompts))
 
+
+def load_models(args: argparse.Namespace):
+    """``(target, draft, vocab, encode, target_name, draft_name)``: tiny random Gemma-3 models with ``--tiny``,
+    else the embedded target and the draft of ``--draft`` (None without it); ``encode(text)``: prompt ids."""
     if args.tiny:
         from treespec.models.tiny import tiny_model
         vocab = 256
@@ -339,7 +340,11 @@ def main(argv=None) -> int:
         target_name, draft_name = "embedded gemma-3-270m", args.draft
     if isinstance(draft, SubsetHead):  # drafts in the target's dtype, as the CLI's head does (packed in bf16)
         draft.for_inference(target.dtype)
-    runner = _target_runner(target, args.runner)  # one runner for plain decoding and every builder
+    return target, draft, vocab, encode, target_name, draft_name
+
+
+def choose_builders(args: argparse.Namespace, draft) -> list[str]:
+    """The builders to compare: model-free ones always, model builders with a draft, cut to ``--builders``."""
     builders = list(MODEL_FREE) + (list(MODEL_BUILDERS) if draft is not None else [])
     if args.builders:
         wanted = args.builders.split(",")
@@ -347,8 +352,13 @@ def main(argv=None) -> int:
         if missing:
             raise SystemExit(f"builders {missing} need a draft model: pass --draft PATH (or --tiny)")
         builders = [b for b in builders if b in wanted]
-    prompts_ids = [encode(r["prompt"]) for r in rows]
+    return builders
 
+
+def sequoia_rows(args: argparse.Namespace, target, draft, encode, temps: list[float],
+                 builders: list[str]) -> tuple[dict[float, list[float]], str]:
+    """Sequoia's acceptance rows per temperature (loaded from ``--sequoia-acc`` or measured on train prompts)
+    and where they came from; empty where ``sequoia`` is not compared."""
     accs: dict[float, list[float]] = {}
     acc_source = "measured in this run"
     if "sequoia" in builders:
@@ -378,17 +388,13 @@ def main(argv=None) -> int:
                 print(f"T={t} acceptance rows (depth 1..): " + "; ".join(
                     " ".join(f"{a:.3f}" for a in row[:3]) for row in vec.rows), flush=True)
 
-    out, prov = open_results("trees", args.out, allow_dirty=args.allow_dirty,
-                             tag="-".join(x for x in (args.tag, "tiny" if args.tiny else None) if x) or None)
-    commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
-    meta = {"commit": commit, "machine": prov["machine"], "target": target_name, "draft": draft_name,
-            "dtype": args.dtype, "runner": type(runner).__name__, "settings": vars(args), "prompts": [r["id"] for r in rows],
-            "prompt_subset": (f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)"
-                              if args.eval_prompts == "specbench" else
-                              f"{args.per_subtask} held-out train rows per Spec-Bench subtask kind, disjoint "
-                              f"from the calibration rows"),
-            "sequoia_acc": {str(k): v for k, v in accs.items()}, "sequoia_acc_source": acc_source,
-            "complete": False}
+    return accs, acc_source
+
+
+def measure(runner, draft, vocab: int, prompts_ids: list[list[int]], builders: list[str], accs: dict,
+            temps: list[float], budgets: list[int], args: argparse.Namespace, write) -> list[dict]:
+    """Every (temperature, budget) block: plain decoding and every builder, interleaved prompt by prompt;
+    ``write(results)`` after every block. Returns the rows of every block."""
     results = []
     warm = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(0.0), stop_on_eos=False)
     generate(runner, prompts_ids[0], None, warm)  # warm-up
@@ -414,8 +420,40 @@ def main(argv=None) -> int:
                       f"speedup {r['speedup']:.2f} (median {r['speedup_median']:.2f} [{r['speedup_ci95'][0]:.2f}, "
                       f"{r['speedup_ci95'][1]:.2f}])" + (f", predicted tau {r['predicted_tau']:.2f}"
                                                           if "predicted_tau" in r else ""), flush=True)
-            write_results(out, meta, results, builders, temps, args, rows, target_name, draft_name)
+            write(results)
+    return results
 
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    started = time.time()
+    check_args(ap, args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    rows = (load_prompts(args.per_subtask) if args.eval_prompts == "specbench"
+            else held_out_eval_rows(args.per_subtask, args.calib_prompts))
+    target, draft, vocab, encode, target_name, draft_name = load_models(args)
+    runner = _target_runner(target, args.runner)  # one runner for plain decoding and every builder
+    builders = choose_builders(args, draft)
+    prompts_ids = [encode(r["prompt"]) for r in rows]
+    accs, acc_source = sequoia_rows(args, target, draft, encode, temps, builders)
+    out, prov = open_results("trees", args.out, allow_dirty=args.allow_dirty,
+                             tag="-".join(x for x in (args.tag, "tiny" if args.tiny else None) if x) or None)
+    commit = prov["commit_short"] + ("-dirty" if prov["dirty"] else "")
+    meta = {"commit": commit, "machine": prov["machine"], "target": target_name, "draft": draft_name,
+            "dtype": args.dtype, "runner": type(runner).__name__, "settings": vars(args), "prompts": [r["id"] for r in rows],
+            "prompt_subset": (f"first {args.per_subtask} rows of each Spec-Bench subtask (first turn)"
+                              if args.eval_prompts == "specbench" else
+                              f"{args.per_subtask} held-out train rows per Spec-Bench subtask kind, disjoint "
+                              f"from the calibration rows"),
+            "sequoia_acc": {str(k): v for k, v in accs.items()}, "sequoia_acc_source": acc_source,
+            "complete": False}
+    results = measure(runner, draft, vocab, prompts_ids, builders, accs, temps, budgets, args,
+                      lambda results: write_results(out, meta, results, builders, temps, args, rows, target_name,
+                                                    draft_name))
     meta["complete"] = True
     write_results(out, meta, results, builders, temps, args, rows, target_name, draft_name)
     finish(out, started)

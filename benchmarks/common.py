@@ -21,7 +21,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import random
 import re
 import shlex
 import subprocess
@@ -52,6 +51,21 @@ SPEED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NUM_THREADS", "CUDA_VI
 
 class ProvenanceError(SystemExit):
     """Raised (as a clean exit with a message) when a run would not have a provenance we can stand by."""
+
+
+class MissingSharedData(SystemExit):
+    """Raised (as a clean exit with one line) when a prompt file of the shared data folder is not there."""
+
+
+def require_shared(path: Path) -> Path:
+    """``path`` when it is a file; else :class:`MissingSharedData` saying where the shared data is expected."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingSharedData(
+            f"error: {path} not found: the benchmarks read prompts from the shared/ folder beside the repository "
+            f"checkout ({SHARED / 'data' / 'eval'} and {SHARED / 'data' / 'train'}, i.e. ../shared/data/eval and "
+            "../shared/data/train; TREESPEC_SHARED names another folder)")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- git
@@ -270,13 +284,13 @@ def open_results_from_args(kind: str, args: argparse.Namespace, tag: str | None 
 
 
 def results_dir(kind: str, tag: str | None = None) -> Path:
-    """Older entry point (scripts without ``--out`` / ``--allow-dirty``): same checks; a dirty tree is
+    """The results folder of a script without ``--out`` / ``--allow-dirty``: same checks; a dirty tree is
     allowed only with ``TREESPEC_ALLOW_DIRTY=1`` in the environment (recorded in provenance.json)."""
     try:
         folder, _ = open_results(kind, None, allow_dirty=os.environ.get("TREESPEC_ALLOW_DIRTY") == "1", tag=tag,
                                  repo=REPO)
     except ProvenanceError as exc:
-        raise ProvenanceError(f"{exc} [this script has no --allow-dirty flag yet: set TREESPEC_ALLOW_DIRTY=1 "
+        raise ProvenanceError(f"{exc} [this script has no --allow-dirty flag: set TREESPEC_ALLOW_DIRTY=1 "
                               "in the environment instead]") from None
     return folder
 
@@ -298,12 +312,12 @@ def finish(folder: Path, started: float | None = None) -> None:
 
 def load_prompts(per_subtask: int, humaneval: int = 0, subtasks: tuple[str, ...] = SUBTASKS) -> list[dict]:
     """The first ``per_subtask`` Spec-Bench prompts of each subtask, then ``humaneval`` HumanEval prompts."""
-    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in require_shared(SPEC_BENCH).read_text().splitlines() if line.strip()]
     chosen = []
     for sub in subtasks:
         chosen += [dict(r, subtask=sub) for r in rows if r["subtask"] == sub][:per_subtask]
     if humaneval:
-        he = [json.loads(line) for line in HUMANEVAL.read_text().splitlines() if line.strip()]
+        he = [json.loads(line) for line in require_shared(HUMANEVAL).read_text().splitlines() if line.strip()]
         chosen += [dict(r, subtask="humaneval") for r in he[:humaneval]]
     return chosen
 
@@ -315,7 +329,7 @@ def load_train_prompts(per_category: int) -> list[dict]:
     is never tuned on the prompts it was trained on."""
     from treespec.distill.corpus import HELD_OUT_FROM, read_prompts
 
-    rows = read_prompts(TRAIN_PROMPTS, seed=0)[HELD_OUT_FROM:]
+    rows = read_prompts(require_shared(TRAIN_PROMPTS), seed=0)[HELD_OUT_FROM:]
     chosen: list[dict] = []
     for cat in sorted({r["category"] for r in rows}):
         chosen += [dict(r, subtask=cat) for r in rows if r["category"] == cat][:per_category]
@@ -334,17 +348,23 @@ def median(xs: list[float]) -> float:
 
 def bootstrap_ci(values: list[float], *, stat=median, n_boot: int = 2000, level: float = 0.95,
                  seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of ``stat`` over ``values`` (resampled with replacement, seeded)."""
+    """Percentile bootstrap interval of ``stat`` over ``values``: ``n_boot`` resamples with replacement, the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of their statistic (:func:`scipy.stats.bootstrap`,
+    ``method="percentile"``, seeded by ``seed``). One value: the interval is that value; none: NaNs."""
     if not values:
         return (float("nan"), float("nan"))
     if len(values) == 1:
         return (values[0], values[0])
-    rng = random.Random(seed)
-    n = len(values)
-    stats = sorted(stat([values[rng.randrange(n)] for _ in range(n)]) for _ in range(n_boot))
-    lo = stats[int((1 - level) / 2 * n_boot)]
-    hi = stats[min(n_boot - 1, int((1 + level) / 2 * n_boot))]
-    return (lo, hi)
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    if stat is median:
+        statistic, vectorized = (lambda x, axis=-1: np.median(x, axis=axis)), True
+    else:
+        statistic, vectorized = (lambda x: stat(list(x))), False
+    res = bootstrap((np.asarray(values, dtype=float),), statistic, n_resamples=n_boot, confidence_level=level,
+                    method="percentile", vectorized=vectorized, rng=np.random.default_rng(seed))
+    return (float(res.confidence_interval.low), float(res.confidence_interval.high))
 
 
 def write_json(path: Path, data) -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import REPO, add_output_args, finish, open_results, write_json  # noqa: E402
 from treespec.files import atomic_write_text  # noqa: E402
 
-#: the head-v2 goals (issue 15): held-out Spec-Bench, the target's own continuations, bf16 on a CPU with native bf16
+#: the draft head's goals: held-out Spec-Bench, the target's own continuations, bf16 on a CPU with native bf16
 GOALS = {"top1_agreement_T0": 0.60, "sum_min_pq_T1": 0.55, "step_fraction": 0.08}
 
 
@@ -174,22 +174,17 @@ def paired_lines(metrics: dict, baseline: dict) -> list[str]:
             "no interval."]
 
 
-def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summary: dict | None,
-           commit: str, history: list[tuple[str, dict]] = (),
-           continues: tuple[str, dict] | None = None, baseline: dict | None = None) -> str:
-    cfg, extra = meta["config"], meta["extra"]
-    summary = extra.get("summary", {})
-    tc, _ = train_facts(meta)
+def _goal(key: str, value: float, lower_is_better: bool = False) -> str:
+    target = GOALS[key]
+    met = value <= target if lower_is_better else value >= target
+    return f"{value:.3f} (goal {'<=' if lower_is_better else '>='} {target:.2f}: {'met' if met else 'not met'})"
+
+
+def _architecture_lines(head: Path, meta: dict, metrics: dict, commit: str) -> list[str]:
+    cfg, summary = meta["config"], meta["extra"].get("summary", {})
     params = metrics.get("trained_parameters", summary.get("trained_parameters"))
-    cost = metrics["step_cost"]
     size_mb = head.stat().st_size / 1e6
-
-    def goal(key: str, value: float, lower_is_better: bool = False) -> str:
-        target = GOALS[key]
-        met = value <= target if lower_is_better else value >= target
-        return f"{value:.3f} (goal {'<=' if lower_is_better else '>='} {target:.2f}: {'met' if met else 'not met'})"
-
-    lines = [
+    return [
         "# Draft head for Gemma-3-270M (`gemma3-270m-head.safetensors`)",
         "",
         "The draft head treespec ships for the embedded Gemma-3-270M (`--draft head`; `--draft lookup+head` adds",
@@ -211,6 +206,14 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
          "its last hidden state (EAGLE-3, arXiv 2503.01840)." if cfg.get("feature_layers") else
          "- Input feature: the target's last hidden state."),
         "",
+    ]
+
+
+def _training_lines(meta: dict, corpora: list[dict], run_summary: dict | None,
+                    continues: tuple[str, dict] | None) -> list[str]:
+    summary = meta["extra"].get("summary", {})
+    tc, _ = train_facts(meta)
+    return [
         "## Training",
         "",
         "- Signal: the target's own next-token distributions (soft labels recomputed exactly on the subset from "
@@ -237,6 +240,11 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
          f"ending at step {run_summary.get('step')}."
          if run_summary and "seconds_this_run" in run_summary else
          "- Training time: not recorded in the head or a run summary (pass --run-summary to state it)."),
+    ]
+
+
+def _corpus_lines(corpora: list[dict]) -> list[str]:
+    lines = [
         "- Corpus (only ../shared/data/train prompts, never the eval set):",
         "",
         "| corpus | sequences | positions | shards read | content | build time | sampling weight |",
@@ -246,9 +254,12 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
         lines.append(f"| {c['name']} | {c['sequences']:,} of {c['of']:,} | {c['positions']:,} | "
                      f"{c.get('shards_used', 'all')} | {corpus_content(c)} | "
                      f"{c['seconds'] / 60:.0f} min | x{c['weight']} |")
-    lines += [
-        "",
-        f"Total: {sum(c['positions'] for c in corpora):,} token positions.",
+    return lines + ["", f"Total: {sum(c['positions'] for c in corpora):,} token positions."]
+
+
+def _measured_lines(metrics: dict) -> list[str]:
+    cost, goal = metrics["step_cost"], _goal
+    lines = [
         "",
         "## Measured (held-out Spec-Bench prompts, used only to measure)",
         "",
@@ -274,22 +285,38 @@ def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summa
             lines.append("| T=1 sum min(p, q) | " + " | ".join(f"{v:.3f}" for v in t1[:len(by_depth)])
                          + " |" * (len(by_depth) - len(t1)) + " |")
         lines.append("")
+    return lines
+
+
+def _history_lines(history: list[tuple[str, dict]]) -> list[str]:
+    lines = ["", "## Earlier heads (history)", "",
+             "Each from its own record under `benchmarks/results/draft/`; prompts, lengths and dtype differ "
+             "between records, so compare with care:", "",
+             "| record | commit | prompts x tokens | T=0 top-1 | T=1 sum min(p, q) | head step / target step | dtype |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for name, rec in history:
+        m = rec["metrics"]
+        lines.append(f"| {name} | {rec.get('commit', '?')} | {m['prompts']} x {m.get('new_tokens', '?')} | "
+                     f"{m['top1_agreement_T0']:.3f} | {m['sum_min_pq_T1']:.3f} | "
+                     f"{m['step_cost']['fraction']:.3f} | {m['dtype'].removeprefix('torch.')} |")
+    return lines
+
+
+def render(head: Path, meta: dict, metrics: dict, corpora: list[dict], run_summary: dict | None,
+           commit: str, history: list[tuple[str, dict]] = (),
+           continues: tuple[str, dict] | None = None, baseline: dict | None = None) -> str:
+    """The model card of ``head``: architecture, training, corpora, measured metrics (paired against a
+    ``baseline`` record where given), earlier heads and limits."""
+    lines = (_architecture_lines(head, meta, metrics, commit) + _training_lines(meta, corpora, run_summary, continues)
+             + _corpus_lines(corpora))
+    lines += _measured_lines(metrics)
     if "tau_chain4_T0" in metrics:
         lines.append(f"- tau of a chain of 4 in the engine: {metrics['tau_chain4_T0']:.2f} at T=0, "
                      f"{metrics['tau_chain4_T1']:.2f} at T=1.")
     if baseline is not None:
         lines += paired_lines(metrics, baseline)
     if history:
-        lines += ["", "## Earlier heads (history)", "",
-                  "Each from its own record under `benchmarks/results/draft/`; prompts, lengths and dtype differ "
-                  "between records, so compare with care:", "",
-                  "| record | commit | prompts x tokens | T=0 top-1 | T=1 sum min(p, q) | head step / target step | dtype |",
-                  "|---|---|---|---:|---:|---:|---|"]
-        for name, rec in history:
-            m = rec["metrics"]
-            lines.append(f"| {name} | {rec.get('commit', '?')} | {m['prompts']} x {m.get('new_tokens', '?')} | "
-                         f"{m['top1_agreement_T0']:.3f} | {m['sum_min_pq_T1']:.3f} | "
-                         f"{m['step_cost']['fraction']:.3f} | {m['dtype'].removeprefix('torch.')} |")
+        lines += _history_lines(history)
     lines += [
         "",
         "## Limits",

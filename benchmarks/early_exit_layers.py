@@ -1,4 +1,4 @@
-"""Measured layer search for the self-speculative (early-exit) draft of Gemma-3-270M (issue 7, item 1).
+"""Measured layer search for the self-speculative (early-exit) draft of Gemma-3-270M: which exit layer drafts best.
 
     python benchmarks/early_exit_layers.py [--prompts 16] [--layers 2 4 6 8 10 12 14 16]
 
@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import SHARED, add_output_args, finish, open_results, write_json  # noqa: E402
+from benchmarks.common import SHARED, add_output_args, finish, open_results, require_shared, write_json  # noqa: E402
 from treespec.distill.inputs import read_prompt_texts  # noqa: E402
 from treespec.trees.sequoia import HardwareProfile  # noqa: E402
 
@@ -69,6 +69,48 @@ def newest_profile(root: Path, dtype: str) -> Path | None:
     return max(found, key=lambda p: (date(p), p.parent.name), default=None)
 
 
+def exit_agreement(target, prompts: list[list[int]], layers: list[int]) -> tuple[dict, dict, int]:
+    """Per exit layer, summed over every prompt position: top-1 agreement with the target (T=0 acceptance of one
+    draft) and the overlap sum(min(p, q)) of the two distributions (T=1); and the number of positions."""
+    agree = {L: 0.0 for L in layers}
+    overlap = {L: 0.0 for L in layers}
+    count = 0
+    norm, lm = target.model.norm, target.lm_head
+    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    with torch.no_grad():
+        for ids in prompts:
+            out = target(torch.tensor([ids]), output_hidden_states=True)
+            t_logits = out.logits[0].float()
+            p1 = torch.softmax(t_logits, dim=-1)
+            top = t_logits.argmax(-1)
+            for L in layers:
+                d = lm(norm(out.hidden_states[L][0])).float()
+                if softcap:
+                    d = torch.tanh(d / softcap) * softcap
+                agree[L] += float((d.argmax(-1) == top).sum())
+                overlap[L] += float(torch.minimum(p1, torch.softmax(d, dim=-1)).sum())
+            count += len(ids)
+    return agree, overlap, count
+
+
+def render(rows: list[dict], best: dict, meta: dict, prof_meta: dict, args, dtype_name: str, n_prompts: int) -> str:
+    """The markdown table of the layer search."""
+    commit, count, t_target, profile_name = meta["commit"], meta["positions"], meta["target_step_s"], meta["profile"]
+    same_cpu = prof_meta.get("machine", {}).get("cpu")
+    lines = [f"# Early-exit layer search (commit {commit})", "",
+             f"{meta['machine']['cpu']}, {args.threads} thread(s), {dtype_name}; {n_prompts} train prompts, {count} "
+             f"positions; target step {t_target * 1e3:.0f} ms; verify profile `{profile_name}` (commit "
+             f"{prof_meta.get('commit', '?')}, measured on {same_cpu or 'an unrecorded CPU'})", "",
+             "| exit layer | T | acceptance (1 draft) | draft step / target step | best chain k | predicted speedup |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['temperature']} | {r['acceptance']:.3f} | {r['draft_cost']:.2f} | "
+                     f"{r['best_chain']} | {r['predicted_speedup']:.2f}x |")
+    lines += ["", "Best: " + "; ".join(f"{t}: layer {b['layer']}, chain {b['best_chain']}, predicted "
+                                        f"{b['predicted_speedup']:.2f}x" for t, b in best.items())]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -93,6 +135,7 @@ def main(argv=None) -> int:
                          f"--dtype {dtype_name} first (or pass --profile)")
     profile_path = profile_path.resolve()
     profile_name = str(profile_path.relative_to(ROOT)) if profile_path.is_relative_to(ROOT) else str(profile_path)
+    require_shared(TRAIN)  # checked before a results folder exists
     folder, prov = open_results("early_exit", args.out, allow_dirty=args.allow_dirty)
     torch.set_num_threads(args.threads)
     from treespec.models.early_exit import early_exit_model
@@ -101,24 +144,7 @@ def main(argv=None) -> int:
     target = load_model("embedded", dtype=dtype)
     tok = load_tokenizer("embedded")
     prompts = [tok(p)["input_ids"][:128] for p in read_prompt_texts(TRAIN, args.prompts)]
-    agree = {L: 0.0 for L in args.layers}
-    overlap = {L: 0.0 for L in args.layers}
-    count = 0
-    norm, lm = target.model.norm, target.lm_head
-    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-    with torch.no_grad():
-        for ids in prompts:
-            out = target(torch.tensor([ids]), output_hidden_states=True)
-            t_logits = out.logits[0].float()
-            p1 = torch.softmax(t_logits, dim=-1)
-            top = t_logits.argmax(-1)
-            for L in args.layers:
-                d = lm(norm(out.hidden_states[L][0])).float()
-                if softcap:
-                    d = torch.tanh(d / softcap) * softcap
-                agree[L] += float((d.argmax(-1) == top).sum())
-                overlap[L] += float(torch.minimum(p1, torch.softmax(d, dim=-1)).sum())
-            count += len(ids)
+    agree, overlap, count = exit_agreement(target, prompts, args.layers)
     prof = HardwareProfile.load(profile_path)
     prof_meta = next((json.loads((profile_path.parent / f).read_text()) for f in ("provenance.json", "meta.json")
                       if (profile_path.parent / f).exists()), {})
@@ -138,21 +164,10 @@ def main(argv=None) -> int:
             "positions": count, "target_step_s": t_target, "profile": profile_name,
             "profile_provenance": {k: prof_meta.get(k) for k in ("commit", "dirty", "machine") if k in prof_meta}}
     write_json(folder / "early_exit_layers.json", {"meta": meta, "rows": rows, "best": best})
-    same_cpu = prof_meta.get("machine", {}).get("cpu")
-    lines = [f"# Early-exit layer search (commit {commit})", "",
-             f"{meta['machine']['cpu']}, {args.threads} thread(s), {dtype_name}; {len(prompts)} train prompts, {count} "
-             f"positions; target step {t_target * 1e3:.0f} ms; verify profile `{profile_name}` (commit "
-             f"{prof_meta.get('commit', '?')}, measured on {same_cpu or 'an unrecorded CPU'})", "",
-             "| exit layer | T | acceptance (1 draft) | draft step / target step | best chain k | predicted speedup |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['layer']} | {r['temperature']} | {r['acceptance']:.3f} | {r['draft_cost']:.2f} | "
-                     f"{r['best_chain']} | {r['predicted_speedup']:.2f}x |")
-    lines += ["", "Best: " + "; ".join(f"{t}: layer {b['layer']}, chain {b['best_chain']}, predicted "
-                                        f"{b['predicted_speedup']:.2f}x" for t, b in best.items())]
-    (folder / "early_exit_layers.md").write_text("\n".join(lines) + "\n")
+    text = render(rows, best, meta, prof_meta, args, dtype_name, len(prompts))
+    (folder / "early_exit_layers.md").write_text(text + "\n")
     finish(folder, started)
-    print("\n".join(lines))
+    print(text)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Head ablations (issue 15): train variants of the draft head one change at a time, measure each on held-out rows.
+"""Head ablations: train variants of the draft head one change at a time, measure each on held-out rows.
 
 Every variant trains from scratch (or, with ``--init-head``, from one starting head) on the same stage-2 corpora (recipes/head_v2_train.sh, STAGE=corpus),
 with the same seed, steps and batch, differing from the base only in the options it names. Each is
@@ -15,7 +15,7 @@ target step.
 
 Training runs resume (checkpoints in the cache under distill/runs/ablation-<name>-<steps>-<digest of the options>); a variant's
 result is written to the results folder when it is measured, and ``--out`` an unfinished folder
-(not yet committed) skips the variants it holds. Results: ``benchmarks/results/ablation/<date>-<commit>/``.
+(not committed) skips the variants it holds. Results: ``benchmarks/results/ablation/<date>-<commit>/``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
+from benchmarks.common import add_output_args, finish, open_results, require_shared, write_json  # noqa: E402
 from treespec.distill.cli import _int_list  # noqa: E402
 
 #: one change at a time against "base" (the v1 recipe's options on the v2 corpus)
@@ -76,11 +76,11 @@ FIXED_BY_INIT = ("vocab_size", "feature_layers", "num_heads", "head_dim", "inter
 
 def held_out_prompts(num: int, max_len: int) -> list[list[int]]:
     """``num`` held-out train prompts (seeded order, rows HELD_OUT_FROM:), token ids cut to the last ``max_len``."""
-    from treespec.distill.cli import DEFAULT_TRAIN
+    from treespec.distill.corpus import DEFAULT_TRAIN
     from treespec.distill.corpus import HELD_OUT_FROM, read_prompts
     from treespec.models.loading import load_tokenizer
 
-    rows = read_prompts(REPO / DEFAULT_TRAIN, seed=0)[HELD_OUT_FROM:HELD_OUT_FROM + num]
+    rows = read_prompts(require_shared(REPO / DEFAULT_TRAIN), seed=0)[HELD_OUT_FROM:HELD_OUT_FROM + num]
     tok = load_tokenizer("embedded")
     return [tok(r["prompt"])["input_ids"][-max_len:] for r in rows]
 
@@ -176,17 +176,15 @@ def _tiny_setup(tmp: Path, num_prompts: int):
     return target, [tmp / "corpus"], seqs[24:]
 
 
-def _main(args, tmp: Path | None) -> int:
-    from treespec.distill.evaluate import depth_metrics, step_cost, target_generations
-    from treespec.distill.train import TrainConfig, distill_root, train
-    from treespec.models.features import num_decoder_layers
-    from treespec.models.loading import load_model
+def _checked(args, names: list[str]) -> tuple[dict, object] | None:
+    """The base training options and ``--max-shards`` as TrainConfig takes it, or None after printing the one
+    line that says what is wrong (every option is checked before a results folder exists)."""
+    from treespec.distill.train import TrainConfig
 
-    names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         print(f"head_ablation: unknown variants {unknown}; known: {sorted(VARIANTS)}", file=sys.stderr)
-        return 2
+        return None
     base = dict(BASE_CONTINUED if args.init_head else BASE)
     if args.warmup is not None:
         base["warmup"] = args.warmup
@@ -195,22 +193,72 @@ def _main(args, tmp: Path | None) -> int:
         if fixed:
             print(f"head_ablation: variants {fixed} change what --init-head fixes ({', '.join(FIXED_BY_INIT)})",
                   file=sys.stderr)
-            return 2
+            return None
         if not Path(args.init_head).is_file():
             print(f"head_ablation: --init-head {args.init_head}: no such file", file=sys.stderr)
-            return 2
+            return None
     max_shards = None if not args.max_shards else args.max_shards[0] if len(args.max_shards) == 1 else args.max_shards
-    try:  # every option checked before a results folder exists
+    try:
         TrainConfig(**{**base, "max_shards": max_shards})
     except ValueError as err:
         print(f"head_ablation: {err}", file=sys.stderr)
+        return None
+    return base, max_shards
+
+
+def _variant(name: str, target, corpora: list[Path], runs: Path, options: dict, prompts, generations: tuple,
+             args) -> dict | None:
+    """Train variant ``name`` with ``options`` and measure it on ``prompts`` against the target's greedy and
+    sampled ``generations``; None where the time limit stopped training first."""
+    from treespec.analysis.acceptance import step_cost
+    from treespec.distill.evaluate import depth_metrics
+    from treespec.distill.train import TrainConfig, train
+
+    cfg = TrainConfig(**options)
+    head, summary = train(target, corpora if len(corpora) > 1 else corpora[0], runs / run_name(name, cfg, args.init_head),
+                          cfg, init_head=args.init_head, log=print,
+                          progress=not args.tiny)
+    if summary["step"] < args.steps:
+        print(f"{name}: stopped at step {summary['step']} of {args.steps} (time limit); run again to continue")
+        return None
+    head.eval()
+    greedy, sampled = generations
+    with torch.no_grad():
+        m0 = depth_metrics(target, head, prompts, greedy, args.depths)
+        m1 = depth_metrics(target, head, prompts, sampled, args.depths)
+        if next(target.parameters()).dtype == torch.bfloat16:
+            head.for_inference(torch.bfloat16)  # as the CLI drafts with it (packed bf16)
+        cost = step_cost(target, head)
+    return {"train_summary": summary,
+            "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
+            "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
+            "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"],
+            "top1_agreement_T1_by_depth": m1["top1_agreement_by_depth"],
+            "positions_T0_by_depth": m0["positions_by_depth"],
+            "positions_T1_by_depth": m1["positions_by_depth"], "step_cost": cost}
+
+
+def _main(args, tmp: Path | None) -> int:
+    from treespec.analysis.acceptance import target_generations
+    from treespec.distill.train import distill_root
+    from treespec.models.features import num_decoder_layers
+    from treespec.models.loading import load_model
+
+    names = args.variants.split(",")
+    checked = _checked(args, names)
+    if checked is None:
         return 2
+    base, max_shards = checked
     corpora = [Path(c) for c in args.corpus.split(",")] if args.corpus else \
         [p for p in (distill_root() / "corpus" / "head-v2-greedy-f2-9", distill_root() / "corpus" / "head-v2-sample-f2-9")
          if (p / "manifest.json").exists()]
     if not corpora and not args.tiny:
         print("head_ablation: no stage-2 corpus (run STAGE=corpus recipes/head_v2_train.sh first)", file=sys.stderr)
         return 2
+    if not args.tiny:  # the held-out prompts, checked before a results folder exists
+        from treespec.distill.corpus import DEFAULT_TRAIN
+
+        require_shared(REPO / DEFAULT_TRAIN)
     torch.set_num_threads(args.threads)
     started = time.time()
     out, _ = open_results("ablation", args.out, allow_dirty=args.allow_dirty,
@@ -225,37 +273,20 @@ def _main(args, tmp: Path | None) -> int:
         prompts = held_out_prompts(args.prompts, 512)
         runs, cache = distill_root() / "runs", distill_root() / "eval-cache"
     layers = num_decoder_layers(target)
-    greedy = target_generations(target, prompts, args.new_tokens, 0.0, cache=cache)
-    sampled = target_generations(target, prompts, args.new_tokens, 1.0, cache=cache)
+    generations = tuple(target_generations(target, prompts, args.new_tokens, t, cache=cache) for t in (0.0, 1.0))
     results: dict[str, dict] = {}
     for name in names:
         path = out / f"variant-{name}.json"
         if path.exists():
             results[name] = json.loads(path.read_text())
             continue
-        options = {**base, **resolve(VARIANTS[name], layers), "steps": args.steps, "seed": args.seed, "max_shards": max_shards,
+        changes = resolve(VARIANTS[name], layers)
+        options = {**base, **changes, "steps": args.steps, "seed": args.seed, "max_shards": max_shards,
                    "time_limit_s": None if args.time_limit is None else args.time_limit * 60}
-        cfg = TrainConfig(**options)
-        head, summary = train(target, corpora if len(corpora) > 1 else corpora[0], runs / run_name(name, cfg, args.init_head),
-                              cfg, init_head=args.init_head, log=print,
-                              progress=not args.tiny)
-        if summary["step"] < args.steps:
-            print(f"{name}: stopped at step {summary['step']} of {args.steps} (time limit); run again to continue")
+        result = _variant(name, target, corpora, runs, options, prompts, generations, args)
+        if result is None:
             break
-        head.eval()
-        with torch.no_grad():
-            m0 = depth_metrics(target, head, prompts, greedy, args.depths)
-            m1 = depth_metrics(target, head, prompts, sampled, args.depths)
-            if next(target.parameters()).dtype == torch.bfloat16:
-                head.for_inference(torch.bfloat16)  # as the CLI drafts with it (packed bf16)
-            cost = step_cost(target, head)
-        results[name] = {"changes": resolve(VARIANTS[name], layers), "train_summary": summary,
-                         "top1_agreement_T0_by_depth": m0["top1_agreement_by_depth"],
-                         "sum_min_pq_T0_by_depth": m0["sum_min_pq_by_depth"],
-                         "sum_min_pq_T1_by_depth": m1["sum_min_pq_by_depth"],
-                         "top1_agreement_T1_by_depth": m1["top1_agreement_by_depth"],
-                         "positions_T0_by_depth": m0["positions_by_depth"],
-                         "positions_T1_by_depth": m1["positions_by_depth"], "step_cost": cost}
+        results[name] = {"changes": changes, **result}
         write_json(path, results[name])
         (out / "table.md").write_text(table(results, args.depths) + "\n")
         print(table(results, args.depths), flush=True)

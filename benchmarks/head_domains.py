@@ -1,4 +1,4 @@
-"""Draft heads on Spec-Bench and on held-out train rows, side by side (issue 15: where is agreement lost?).
+"""Draft heads on Spec-Bench and on held-out train rows, side by side: where the head's agreement is lost.
 
 For every head and both prompt sets, ``python -m treespec.distill evaluate`` (the metrics of the draft
 card: top-1 agreement with the target at T=0 and sum min(p, q) at T=1 along the target's own

@@ -5,7 +5,7 @@ Two studies, each in a fresh subprocess (so that the peak resident memory it rep
 * ``soak``: ``--requests`` generations in one process through one target runner and one drafter (the CLI's
   default drafter for this CPU's dtype at T=0, the fast runner), prompts cycling through train prompts. Resident
   memory (``VmRSS``) is read after every request; the figure is the memory after the last request against the
-  memory after request 50 (the issue's bound: within 5%).
+  memory after request 50 (the bound checked: within 5%).
 * ``long``: one prompt of ``--long-tokens`` tokens (train prompts joined and repeated), prefilled and continued
   by ``--long-new`` tokens; its peak resident memory (``VmHWM``) above the memory once the model is loaded.
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import bootstrap_ci, write_json  # noqa: E402
-from benchmarks.run import sign_test  # noqa: E402
+from benchmarks.report import sign_test  # noqa: E402
 
 
 def paired_rows(per_prompt: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Real-model OT study: optimal vs achieved multi-draft acceptance on Gemma-3-270M (issue 4, item 3).
+"""Real-model OT study: optimal vs achieved multi-draft acceptance on Gemma-3-270M.
 
     python benchmarks/study_real_model.py --draft head    # 2 prompts / subtask, 176 tokens (2,112 positions)
     python benchmarks/study_real_model.py --small         # 1 prompt / subtask, 8 tokens (tests / notebook)
@@ -280,7 +280,7 @@ def markdown(summary: dict, settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-subtask", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=176)
@@ -302,25 +302,13 @@ def main(argv=None) -> int:
                     help="without replacement, n >= 3: the exact optimum per position, or the bracket's upper end")
     ap.add_argument("--small", action="store_true", help="1 prompt per subtask, 8 tokens, T in {0.7, 1.0}")
     add_output_args(ap)
-    args = ap.parse_args(argv)
-    out, prov = open_results("ot_study", args.out, allow_dirty=args.allow_dirty)
-    if args.small:
-        args.per_subtask, args.new_tokens, args.temperatures, args.workers = 1, 8, [0.7, 1.0], 1
-    torch.set_num_threads(args.threads)
-    t0 = time.time()
-    from treespec.models.loading import load_model, load_tokenizer
+    return ap
 
-    model = load_model("embedded", dtype="float32")
-    tok = load_tokenizer("embedded")
-    t_load = time.time() - t0
-    prompts = choose_prompts(args.per_subtask)
-    head = None
-    if args.draft != "early-exit":
-        from treespec.drafting.head import EagleHead
-        from treespec.drafting.shipped import load_default_head
 
-        head = load_default_head(model) if args.draft == "head" else EagleHead.load(args.draft, model)
-    # Evaluation runs in ``--workers`` processes (one thread each) while the next sequence is collected.
+def collect_and_evaluate(model, tok, prompts: list[dict], head, args) -> tuple[list[dict], list[str], float, float]:
+    """Collect every prompt's target / draft rows and evaluate them in ``--task`` position chunks, in ``--workers``
+    processes (one thread each) while the next sequence is collected. Returns the evaluated chunks, the subtask of
+    every position, the collection time and the evaluation time left after the last collection (s)."""
     pool = None
     if args.workers > 1:
         ctx = multiprocessing.get_context("spawn")
@@ -342,17 +330,18 @@ def main(argv=None) -> int:
     if pool:
         pool.shutdown()
     t_eval = time.time() - t1  # evaluation still running after the last sequence was collected
-    metrics = {k: np.concatenate([c[k] for c in chunks], axis=1) for k in chunks[0]}
-    sub_arr = np.array(subtasks)
-    summary = summarise(metrics, sub_arr, args.temperatures, args.ns)
-    settings = {
+    return chunks, subtasks, t_collect, t_eval
+
+
+def run_settings(args, prov: dict, prompts: list[dict], head, positions: int, times: dict) -> dict:
+    """The settings recorded beside the study's numbers (``times``: runtime_s, load_s, collect_s,
+    evaluate_after_collect_s)."""
+    return {
         "commit": prov["commit_short"] + ("-dirty" if prov["dirty"] else ""),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": prov["machine"], "layer": args.layer, "per_subtask": args.per_subtask,
         "prompt_ids": [p["id"] for p in prompts], "new_tokens": args.new_tokens,
         "gen_temperature": args.gen_temperature, "temperatures": args.temperatures, "ns": args.ns,
-        "seed": args.seed, "positions": int(sub_arr.size),
-        "runtime_s": time.time() - t0, "load_s": t_load, "collect_s": t_collect,
-        "evaluate_after_collect_s": t_eval, "workers": args.workers, "threads": args.threads, "wor": args.wor,
+        "seed": args.seed, "positions": positions, **times, "workers": args.workers, "threads": args.threads, "wor": args.wor,
         "draft": (f"early exit after layer {args.layer} -> final norm -> LM head" if head is None else
                   f"EAGLE-style draft head {'(shipped)' if args.draft == 'head' else args.draft} "
                   f"({head.num_trained_parameters / 1e6:.2f}M parameters, "
@@ -361,6 +350,35 @@ def main(argv=None) -> int:
             "" if args.wor == "exact" else " (w/o replacement n >= 3: bracket upper end)"),
         "skipped": {"rrs_without_replacement": "no closed form at full vocabulary (O(V^n) recursion)"},
     }
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.small:
+        args.per_subtask, args.new_tokens, args.temperatures, args.workers = 1, 8, [0.7, 1.0], 1
+    prompts = choose_prompts(args.per_subtask)  # read before a results folder exists
+    out, prov = open_results("ot_study", args.out, allow_dirty=args.allow_dirty)
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    from treespec.models.loading import load_model, load_tokenizer
+
+    model = load_model("embedded", dtype="float32")
+    tok = load_tokenizer("embedded")
+    t_load = time.time() - t0
+    head = None
+    if args.draft != "early-exit":
+        from treespec.drafting.head import EagleHead
+        from treespec.drafting.shipped import load_default_head
+
+        head = load_default_head(model) if args.draft == "head" else EagleHead.load(args.draft, model)
+    chunks, subtasks, t_collect, t_eval = collect_and_evaluate(model, tok, prompts, head, args)
+    metrics = {k: np.concatenate([c[k] for c in chunks], axis=1) for k in chunks[0]}
+    sub_arr = np.array(subtasks)
+    summary = summarise(metrics, sub_arr, args.temperatures, args.ns)
+    settings = run_settings(args, prov, prompts, head, int(sub_arr.size),
+                            {"runtime_s": time.time() - t0, "load_s": t_load, "collect_s": t_collect,
+                             "evaluate_after_collect_s": t_eval})
     write_json(out / "summary.json", {"settings": settings, **summary})
     (out / "summary.md").write_text(markdown(summary, settings))
     np.savez_compressed(out / "positions.npz", subtask=sub_arr,

@@ -1,4 +1,4 @@
-"""How much of the target's output a frequency-ranked draft vocabulary covers, by subset size (issue 15).
+"""How much of the target's output a frequency-ranked draft vocabulary covers, by subset size.
 
 A draft head scores only a vocabulary subset S (q = 0 elsewhere), so S caps what it can accept: at
 T = 0 a greedy token outside S can never be drafted, and at T = 1 the single-draft acceptance
@@ -30,19 +30,19 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_output_args, finish, open_results, write_json  # noqa: E402
+from benchmarks.common import add_output_args, finish, open_results, require_shared, write_json  # noqa: E402
 
 FOLDERS = {"greedy": ("v2-greedy", "0:6000"), "sample": ("v2-sample", "6000:11000")}
 SIZES = (2048, 4096, 8192, 16384, 24576, 32768, 49152, 65536)
 
 
 def _prompt_ids(rows_arg: str) -> list[list[int]]:
-    from treespec.distill.cli import DEFAULT_TRAIN
+    from treespec.distill.corpus import DEFAULT_TRAIN
     from treespec.distill.corpus import read_prompts
     from treespec.models.loading import load_tokenizer
 
     lo, _, hi = rows_arg.partition(":")
-    rows = read_prompts(REPO / DEFAULT_TRAIN, seed=0)[int(lo or 0): int(hi) if hi else None]
+    rows = read_prompts(require_shared(REPO / DEFAULT_TRAIN), seed=0)[int(lo or 0): int(hi) if hi else None]
     tok = load_tokenizer("embedded")
     return [tok(r["prompt"])["input_ids"] for r in rows]
 

@@ -134,16 +134,16 @@ def _runs():
 
 
 def test_speedups_name_their_baselines():
-    from benchmarks import run
+    from benchmarks import report
 
-    prompt_rows = run.per_prompt_speedups(_runs())
+    prompt_rows = report.per_prompt_speedups(_runs())
     ng = [r for r in prompt_rows if r["method"] == "ts_ngram"]
     assert all(r["speedup_vs_ts_plain"] == pytest.approx(2.0) for r in ng)
     assert all(r["speedup_vs_hf_plain"] == pytest.approx(1.6) for r in ng)
     assert all(r["speedup_vs_own_plain"] == pytest.approx(2.0) for r in ng)
     pl = [r for r in prompt_rows if r["method"] == "hf_prompt_lookup"]
     assert all(r["speedup_vs_own_plain"] == pytest.approx(0.8) for r in pl)  # own = HF generate
-    summary = run.summarise(prompt_rows, seed=0)
+    summary = report.summarise(prompt_rows, seed=0)
     e = summary["float32/T=0"]["ts_ngram"]
     assert e["speedup_vs_ts_plain"]["median"] == pytest.approx(2.0)
     assert e["speedup_vs_ts_plain"]["ci95"] == [pytest.approx(2.0), pytest.approx(2.0)]
@@ -155,7 +155,7 @@ def test_speedups_name_their_baselines():
             "versions": {"torch": "x"}}
     settings = {"prompts": 2, "prompt_set": "eval", "max_new_tokens": 32, "repeats": 2, "threads": 1, "seed": 0,
                 "warmup_tokens": 8}
-    table = run.markdown(summary, {"provenance": prov, "settings": settings, "skipped": ["llama.cpp: not here"],
+    table = report.markdown(summary, {"provenance": prov, "settings": settings, "skipped": ["llama.cpp: not here"],
                                    "methods": {"ts_ngram": "x"}})
     for header in ("speedup vs treespec plain", "speedup vs HF generate", "speedup vs llama.cpp plain",
                    "Warm-up", "95%", "Skipped: llama.cpp"):
@@ -164,29 +164,29 @@ def test_speedups_name_their_baselines():
 
 
 def test_rounds_put_baselines_first_then_reverse():
-    from benchmarks import run
+    from benchmarks import harness, methods
 
-    ms = [run.Method(n, e, None, "") for n, e in (("ts_plain", "treespec"), ("ts_ngram", "treespec"),
+    ms = [methods.Method(n, e, None, "") for n, e in (("ts_plain", "treespec"), ("ts_ngram", "treespec"),
                                                    ("hf_plain", "hf"), ("ts_head", "treespec"))]
-    first = [m.name for m in run.round_order(ms, 0, 0, seed=0)]
-    second = [m.name for m in run.round_order(ms, 0, 1, seed=0)]
+    first = [m.name for m in harness.round_order(ms, 0, 0, seed=0)]
+    second = [m.name for m in harness.round_order(ms, 0, 1, seed=0)]
     assert first[:2] == ["ts_plain", "hf_plain"] and sorted(first) == sorted(m.name for m in ms)
     assert second == first[::-1]
-    assert first == [m.name for m in run.round_order(ms, 0, 0, seed=0)]  # seeded
+    assert first == [m.name for m in harness.round_order(ms, 0, 0, seed=0)]  # seeded
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from benchmarks import run
+    from benchmarks import report
 
-    run.plot(run.summarise(run.per_prompt_speedups(_runs()), seed=0), tmp_path)
+    report.plot(report.summarise(report.per_prompt_speedups(_runs()), seed=0), tmp_path)
     assert (tmp_path / "speedup.png").stat().st_size > 1000
 
 
 def test_llama_missing_is_a_reason_not_a_crash():
-    from benchmarks import run
+    from benchmarks import methods
 
-    reason = run.llama_available()
+    reason = methods.llama_available()
     assert reason is None or isinstance(reason, str)
 
 
@@ -332,22 +332,22 @@ def test_results_dir_of_older_scripts_needs_the_environment_switch(monkeypatch, 
 # ------------------------------------------------------------------------------------ resuming run.py
 
 def test_prompts_run_round_robin_over_subtasks():
-    from benchmarks import run
+    from benchmarks import harness
 
     ps = [{"id": f"{s}{i}", "subtask": s} for s in ("a", "b", "c") for i in range(3 if s != "b" else 1)]
-    assert [p["id"] for p in run.interleave(ps)] == ["a0", "b0", "c0", "a1", "c1", "a2", "c2"]
+    assert [p["id"] for p in harness.interleave(ps)] == ["a0", "b0", "c0", "a1", "c1", "a2", "c2"]
 
 
 def test_a_cut_last_round_line_is_dropped(tmp_path):
-    from benchmarks import run
+    from benchmarks import harness
 
     path = tmp_path / "rounds.jsonl"
     path.write_text('{"a": 1}\n{"a": 2}\n{"a": ')
-    assert run.read_rounds(path) == [{"a": 1}, {"a": 2}]
+    assert harness.read_rounds(path) == [{"a": 1}, {"a": 2}]
     assert path.read_text() == '{"a": 1}\n{"a": 2}\n'
     path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
-    with pytest.raises(run.ProvenanceError, match="line 2"):
-        run.read_rounds(path)
+    with pytest.raises(harness.ProvenanceError, match="line 2"):
+        harness.read_rounds(path)
 
 
 class _DiskFullFile:
@@ -391,7 +391,7 @@ def test_repairing_a_cut_round_on_a_full_disk_keeps_every_complete_round(tmp_pat
     """``--resume`` repairs a rounds file whose last line was cut; with the disk full (every write fails
     half-way with ENOSPC) no complete round may be lost: the repair truncates, it never rewrites.
     A last round cut just before its newline is complete and is kept."""
-    from benchmarks import run
+    from benchmarks import harness
 
     path = tmp_path / "rounds.jsonl"
     complete = [{"a": i, "tokens": list(range(50))} for i in range(5)]
@@ -400,7 +400,7 @@ def test_repairing_a_cut_round_on_a_full_disk_keeps_every_complete_round(tmp_pat
     with monkeypatch.context() as m:
         _disk_full(m)
         try:
-            rows = run.read_rounds(path)
+            rows = harness.read_rounds(path)
         except OSError as err:  # a failed repair may be reported, but must not cost a round
             assert err.errno == errno.ENOSPC
             rows = None
@@ -409,19 +409,19 @@ def test_repairing_a_cut_round_on_a_full_disk_keeps_every_complete_round(tmp_pat
     assert not path.read_text().endswith('"tok')
     if rows is not None:
         assert rows == want
-    assert run.read_rounds(path) == want  # once the disk has room again
+    assert harness.read_rounds(path) == want  # once the disk has room again
     assert path.read_text() == "".join(json.dumps(r) + "\n" for r in want)
 
 
 def _recorded(tmp_path, **changes) -> tuple:
-    from benchmarks import run
+    from benchmarks import harness
 
     state = {"commit": "a" * 40, "short": "a" * 7, "dirty": False, "changed": [], "untracked": []}
     prov = {"commit": state["commit"], "commit_short": state["short"], "dirty": False,
             "machine": common.machine_info(), "versions": common.versions(), "command": {"argv": ["run.py"]}}
     prov.update(changes)
     (tmp_path / "provenance.json").write_text(json.dumps(prov))
-    return run, state
+    return harness, state
 
 
 @pytest.mark.parametrize("change, state_change, diff, message", [
@@ -433,21 +433,21 @@ def _recorded(tmp_path, **changes) -> tuple:
     ({}, {"commit": "b" * 40}, "treespec/verify/core.py\n", "code changed"),
 ])
 def test_resume_refuses_what_would_mix_two_setups(tmp_path, monkeypatch, change, state_change, diff, message):
-    run, state = _recorded(tmp_path, **change)
-    monkeypatch.setattr(run, "git_state", lambda repo=common.REPO: {**state, **state_change})
-    monkeypatch.setattr(run, "git", lambda args, repo: diff)
-    with pytest.raises(run.ProvenanceError, match=message):
-        run.check_resumable(tmp_path)
+    harness, state = _recorded(tmp_path, **change)
+    monkeypatch.setattr(harness, "git_state", lambda repo=common.REPO: {**state, **state_change})
+    monkeypatch.setattr(harness, "git", lambda args, repo: diff)
+    with pytest.raises(harness.ProvenanceError, match=message):
+        harness.check_resumable(tmp_path)
 
 
 def test_resume_accepts_the_same_setup_and_a_commit_that_changed_no_code(tmp_path, monkeypatch):
-    run, state = _recorded(tmp_path)
-    monkeypatch.setattr(run, "git", lambda args, repo: "")  # e.g. only README / results changed
+    harness, state = _recorded(tmp_path)
+    monkeypatch.setattr(harness, "git", lambda args, repo: "")  # e.g. only README / results changed
     for commit in ("a" * 40, "c" * 40):
-        monkeypatch.setattr(run, "git_state", lambda repo=common.REPO, c=commit: {**state, "commit": c})
-        assert run.check_resumable(tmp_path)["commit"] == "a" * 40
-    with pytest.raises(run.ProvenanceError, match="no provenance"):
-        run.check_resumable(tmp_path / "missing")
+        monkeypatch.setattr(harness, "git_state", lambda repo=common.REPO, c=commit: {**state, "commit": c})
+        assert harness.check_resumable(tmp_path)["commit"] == "a" * 40
+    with pytest.raises(harness.ProvenanceError, match="no provenance"):
+        harness.check_resumable(tmp_path / "missing")
 
 
 @pytest.mark.skipif(not common.TRAIN_PROMPTS.exists(), reason="needs ../shared/data/train")
@@ -505,7 +505,7 @@ def test_hf_rows_generate_every_token_past_eos(temperature, extra):
     tokens; at T=0 it stops after one token for certain."""
     import torch
 
-    from benchmarks.run import ForwardCounter, hf_method
+    from benchmarks.methods import ForwardCounter, hf_method
     from treespec.models.tiny import tiny_model
 
     model = tiny_model("llama", 64, seed=0, logit_scale=6.0)
@@ -522,7 +522,7 @@ def test_hf_rows_generate_every_token_past_eos(temperature, extra):
 def test_methods_are_paired_against_the_cli_default_with_a_sign_test():
     """Per prompt, the default row's time / a method's time (same prompt, same repeats); the sign test is
     the exact binomial one: 3 faster, 1 slower gives p = 2 * (1 + 4) / 16 = 0.625; 10 of 10 gives 2 / 1024."""
-    from benchmarks import run
+    from benchmarks import report
 
     rows = []
     # ts_head (the default) takes 1 s on every prompt; hw411 is faster on three prompts, slower on one
@@ -531,48 +531,48 @@ def test_methods_are_paired_against_the_cli_default_with_a_sign_test():
         for m, wall in (("ts_plain", 1.5), ("ts_head", 1.0), ("hw411", t)):
             rows.append({"dtype": "bfloat16", "temperature": 1.0, "prompt_id": pid, "subtask": "qa", "repeat": 0,
                          "method": m, "engine": "treespec", "new_tokens": 32, "wall_s": wall, "target_calls": 16})
-    prompt_rows = run.per_prompt_speedups(rows, {("bfloat16", 1.0): "ts_head"})
+    prompt_rows = report.per_prompt_speedups(rows, {("bfloat16", 1.0): "ts_head"})
     got = {r["prompt_id"]: r["speedup_vs_default"] for r in prompt_rows if r["method"] == "hw411"}
     assert got == {pid: pytest.approx(1.0 / t) for pid, t in hw.items()}
     assert all(r["speedup_vs_default"] == pytest.approx(1.0) for r in prompt_rows if r["method"] == "ts_head")
-    e = run.summarise(prompt_rows, seed=0)["bfloat16/T=1"]["hw411"]["speedup_vs_default"]
+    e = report.summarise(prompt_rows, seed=0)["bfloat16/T=1"]["hw411"]["speedup_vs_default"]
     assert (e["wins"], e["losses"]) == (3, 1) and e["p_sign"] == pytest.approx(0.625)
     assert e["median"] == pytest.approx((1 / 0.8 + 1 / 0.9) / 2)
-    assert run.sign_test([1.1] * 10)["p_sign"] == pytest.approx(2 / 1024)
-    assert run.sign_test([1.0, 1.0]) == {"wins": 0, "losses": 0, "p_sign": 1.0}
+    assert report.sign_test([1.1] * 10)["p_sign"] == pytest.approx(2 / 1024)
+    assert report.sign_test([1.0, 1.0]) == {"wins": 0, "losses": 0, "p_sign": 1.0}
     # without a default for the block there is no paired column
-    assert not any("speedup_vs_default" in r for r in run.per_prompt_speedups(rows))
+    assert not any("speedup_vs_default" in r for r in report.per_prompt_speedups(rows))
 
 
 def test_the_report_and_plot_carry_the_paired_table(tmp_path, monkeypatch):
-    from benchmarks import run
+    from benchmarks import report
 
     rows = []
     for pid, t in (("p1", 0.5), ("p2", 0.8)):
         for m, wall in (("ts_plain", 1.5), ("ts_head", 1.0), ("hw411", t)):
             rows.append({"dtype": "bfloat16", "temperature": 1.0, "prompt_id": pid, "subtask": "qa", "repeat": 0,
                          "method": m, "engine": "treespec", "new_tokens": 32, "wall_s": wall, "target_calls": 16})
-    monkeypatch.setattr(run, "cli_default_method", lambda dtype, t: "ts_head")
-    summary = run.summarise(run.per_prompt_speedups(rows, {("bfloat16", 1.0): "ts_head"}), seed=0)
+    monkeypatch.setattr(report, "cli_default_method", lambda dtype, t: "ts_head")
+    summary = report.summarise(report.per_prompt_speedups(rows, {("bfloat16", 1.0): "ts_head"}), seed=0)
     prov = {"commit_short": "abc1234", "dirty": False, "date_utc": "now", "command": {"shell": "x"},
             "machine": {"cpu": "cpu", "cores": 2, "cpu_flags": {}, "bf16_native": True}, "versions": {}}
     settings = {"prompts": 2, "prompt_set": "train", "max_new_tokens": 32, "repeats": 1, "threads": 2, "seed": 0,
                 "warmup_tokens": 8}
-    table = run.markdown(summary, {"provenance": prov, "settings": settings, "methods": {}})
+    table = report.markdown(summary, {"provenance": prov, "settings": settings, "methods": {}})
     assert "Paired against the CLI default here (`ts_head`)" in table
     assert "| hw411 | 1.62x [1.25, 2.00] | 2 / 0 | 0.5 |" in table
     assert "| ts_plain | 0.67x [0.67, 0.67] | 0 / 2 | 0.5 |" in table
-    run.plot(summary, tmp_path)
+    report.plot(summary, tmp_path)
     assert (tmp_path / "speedup.png").stat().st_size > 0
 
 
 def test_the_paired_column_follows_the_cli_default():
     """The rows of the CLI's measured defaults (treespec.cli._resolved_draft), pinned."""
-    from benchmarks import run
+    from benchmarks import report
 
     want = {("bfloat16", 0.0): "ts_lookup_head", ("bfloat16", 0.7): "ts_head", ("bfloat16", 1.0): "ts_head",
             ("float32", 0.0): "ts_ngram", ("float32", 0.7): "ts_plain", ("float32", 1.0): "ts_plain"}
-    assert {k: run.cli_default_method(*k) for k in want} == want
+    assert {k: report.cli_default_method(*k) for k in want} == want
 
 
 def test_draft_card_states_the_paired_change_and_refuses_other_positions():
@@ -597,7 +597,7 @@ def test_draft_card_states_the_paired_change_and_refuses_other_positions():
 
 
 def test_host_name_and_host_stream_summary():
-    from benchmarks import run
+    from benchmarks import report
     from benchmarks.common import host_name
 
     assert host_name({"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "cpu_mhz": "2596.128"}) == \
@@ -607,13 +607,13 @@ def test_host_name_and_host_stream_summary():
              "host_stream_s": s, "host_stream_bytes": 536e6}
             for (t, p, s) in ((0.0, "a", 0.012), (0.0, "b", 0.020), (1.0, "a", 0.016)) for m in ("x", "y", "z")]
     rows.append({"dtype": "float32", "temperature": 0.0, "prompt_id": "a", "repeat": 0, "method": "x"})  # no reading
-    ref = run.host_stream(rows)
+    ref = report.host_stream(rows)
     # one reading per round (three rows share it), not one per row
     assert ref == {"bfloat16": {"median_ms": 16.0, "min_ms": 12.0, "max_ms": 20.0, "rounds": 3, "mb": 536.0}}
 
 
 def test_round_parts_pool_rounds_not_prompts():
-    from benchmarks import run
+    from benchmarks import report
 
     def row(method, calls, draft, nodes, tokens=12):
         return {"dtype": "bfloat16", "temperature": 1.0, "method": method, "target_calls": calls, "new_tokens": tokens,
@@ -621,7 +621,7 @@ def test_round_parts_pool_rounds_not_prompts():
 
     rows = [row("ts_head", 4, 0.012, 2.0), row("ts_head", 8, 0.012, 0.5), row("ts_head", 0, 0.5, 9.0),  # no round
             {"dtype": "bfloat16", "temperature": 1.0, "method": "llama_plain", "target_calls": None, "new_tokens": 12}]
-    parts = run.round_parts(rows)
+    parts = report.round_parts(rows)
     e = parts["bfloat16/T=1"]["ts_head"]
     assert set(parts["bfloat16/T=1"]) == {"ts_head"}  # llama.cpp rows have no parts
     # 12 rounds in all: draft 24 ms / 12, nodes (4 x 2 + 8 x 0.5) / 12 = 1.0 (a mean of prompt means says 1.25)
@@ -642,7 +642,7 @@ def test_cpu_info_reads_family_model_and_clock():
 
 
 def test_the_report_places_round_parts_and_host_reference_under_their_block():
-    from benchmarks import run
+    from benchmarks import report
 
     rows = []
     for temp in (0.0, 1.0):
@@ -653,14 +653,14 @@ def test_the_report_places_round_parts_and_host_reference_under_their_block():
                              "draft_s": draft, "verify_s": 0.5, "other_s": 0.0, "prefill_s": 0.0,
                              "mean_tree_nodes": 1.5 if draft else 0.0, "host_stream_s": 0.0125,
                              "host_stream_bytes": 536e6})
-    summary = run.summarise(run.per_prompt_speedups(rows), seed=0)
+    summary = report.summarise(report.per_prompt_speedups(rows), seed=0)
     prov = {"commit_short": "abc1234", "dirty": False, "date_utc": "now", "command": {"shell": "x"},
             "machine": {"cpu": "cpu", "cores": 2, "cpu_flags": {}, "bf16_native": True}, "versions": {}}
     settings = {"prompts": 2, "prompt_set": "eval", "max_new_tokens": 32, "repeats": 1, "threads": 2, "seed": 0,
                 "warmup_tokens": 8}
-    meta = {"provenance": prov, "settings": settings, "methods": {}, "round_parts": run.round_parts(rows),
-            "host_stream": run.host_stream(rows)}
-    table = run.markdown(summary, meta)
+    meta = {"provenance": prov, "settings": settings, "methods": {}, "round_parts": report.round_parts(rows),
+            "host_stream": report.host_stream(rows)}
+    table = report.markdown(summary, meta)
     assert ("- Host reference (bfloat16): reading the target's 536 MB of weights once took 12.5 ms (median; range "
             "12.5 to 12.5) over 4 readings") in table
     t0, t1 = table.split("## bfloat16/T=0")[1].split("## bfloat16/T=1")

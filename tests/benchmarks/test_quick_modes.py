@@ -72,13 +72,14 @@ def test_run_refuses_a_malformed_variant(capsys, variant, match):
 
 @pytest.mark.gemma
 def test_run_stopped_part_way_resumes_to_every_round_once(tmp_path, monkeypatch):
-    from benchmarks import common, run
+    from benchmarks import common, harness, run
 
     clean = {"commit": "f" * 40, "short": "f" * 7, "dirty": False, "changed": [], "untracked": []}
     monkeypatch.setattr(common, "git_state", lambda repo=common.REPO: dict(clean))
     monkeypatch.setattr(run, "git_state", lambda repo=common.REPO: dict(clean))
+    monkeypatch.setattr(harness, "git_state", lambda repo=common.REPO: dict(clean))
     out = tmp_path / "speed"
-    real, calls = run.round_order, {"n": 0}
+    real, calls = harness.round_order, {"n": 0}
 
     def stopped_at_the_third_prompt(*args, **kwargs):
         calls["n"] += 1
@@ -86,7 +87,7 @@ def test_run_stopped_part_way_resumes_to_every_round_once(tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(run, "round_order", stopped_at_the_third_prompt)
+    monkeypatch.setattr(harness, "round_order", stopped_at_the_third_prompt)
     with pytest.raises(KeyboardInterrupt):
         run.main(["--quick", "--methods", "ts_plain", "--no-llama", "--dtypes", "float32", "--threads", "1",
                   "--out", str(out)])
@@ -96,11 +97,11 @@ def test_run_stopped_part_way_resumes_to_every_round_once(tmp_path, monkeypatch)
     assert not json.loads((out / "provenance.json").read_text()).get("complete")
     with (out / "rounds.jsonl").open("a") as f:  # a writer killed in the middle of a line
         f.write('{"dtype": "flo')
-    monkeypatch.setattr(run, "round_order", real)
-    monkeypatch.setattr(run, "machine_info", lambda: {**common.machine_info(), "cpu": "Another CPU"})
+    monkeypatch.setattr(harness, "round_order", real)
+    monkeypatch.setattr(harness, "machine_info", lambda: {**common.machine_info(), "cpu": "Another CPU"})
     with pytest.raises(run.ProvenanceError, match="machine differs"):
         run.main(["--resume", str(out)])
-    monkeypatch.setattr(run, "machine_info", common.machine_info)
+    monkeypatch.setattr(harness, "machine_info", common.machine_info)
     assert run.main(["--resume", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert rows[:4] == first  # what was measured is kept as it was
