@@ -5,28 +5,70 @@ Examples::
     treespec generate "The capital of France is" --max-new-tokens 64
     treespec generate "def fib(n):" --temperature 0.8 --top-p 0.95 --json
     treespec generate "Once upon a time" --plain            # plain autoregressive decoding
+    treespec generate "def f(x):" --draft ngram:8,4         # n-gram lookup: 4 continuations of 8 tokens
     treespec generate "Hello" --draft path/to/small-lm --tree 2,2,1 --law without_replacement
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
+import secrets
 import sys
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the engine loads only once a command runs: building the parser imports no torch
+    import torch
 
-from .drafters import EMBEDDED_GGUF, DraftOptions, build_drafter, default_leaf_logits, target_kind
-from .drafting.base import Drafter
-from .drafting.compose import FirstOf
-from .generate import GenerationConfig, generate
-from .models.fast import QUANTIZE_MODES, FastGemmaRunner, fast_supported, make_runner
-from .models.runner import ModelRunner
-from .sampling import SamplingConfig
-from .tree import DRAFT_LAWS
-from .verify import VERIFIERS
+    from .drafting.base import Drafter
+    from .models.runner import ModelRunner
+
+#: the parser's choices, copied from the engine's registries so that ``--help`` imports no torch
+#: (tests/treespec/test_cli_help.py checks each against its registry): ``--verifier`` names with what each means
+#: (:data:`treespec.verify.VERIFIERS`), ``--law`` (:data:`treespec.tree.DRAFT_LAWS`), ``--quantize`` modes
+#: (:data:`treespec.models.fast.QUANTIZE_MODES`) and the embedded GGUF's ``--target`` word
+#: (:data:`treespec.drafters.EMBEDDED_GGUF`)
+VERIFIER_MEANINGS = {
+    "greedy": "temperature 0: accept drafted tokens while they are the target's argmax",
+    "single": "one i.i.d. child per node, accepted with probability min(1, p/q)",
+    "rrs": "recursive rejection sampling over i.i.d. children",
+    "rrs_without_replacement": "recursive rejection sampling over children drawn without replacement",
+    "deterministic": "children fixed by the draft (n-gram lookup, top-k)",
+    "kseq": "K-SEQ over i.i.d. children",
+    "greedy_draft": "children drawn by the greedy_draft law",
+    "spechub": "SpecHub's pair law (1 or 2 children per node)",
+    "block": "a drafted chain verified jointly (block verification)",
+}
+DRAFT_LAWS = ("iid", "without_replacement", "deterministic", "greedy_draft", "spechub")
+QUANTIZE_MODES = ("int4",)
+EMBEDDED_GGUF = "embedded-gguf"
+
+#: names of the engine this module calls, imported on first use and read through :func:`_engine` (a test may
+#: substitute one on this module): name -> (module, attribute)
+_ENGINE = {
+    "generate": (".generate", "generate"),
+    "build_drafter": (".drafters", "build_drafter"),
+    "HUB_PROBE_S": (".models.loading", "HUB_PROBE_S"),
+    "_hub_reachable": (".models.loading", "hub_reachable"),
+    "_cached_snapshot": (".models.loading", "cached_snapshot"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ENGINE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _ENGINE[name]
+    value = getattr(importlib.import_module(module, __package__), attribute)
+    globals()[name] = value
+    return value
+
+
+def _engine(name: str) -> Any:
+    """The engine function ``name`` of :data:`_ENGINE` as this module holds it now."""
+    return getattr(sys.modules[__name__], name)
 
 
 def _branching(text: str) -> tuple[int, ...]:
@@ -41,7 +83,8 @@ def _branching(text: str) -> tuple[int, ...]:
 
 #: the largest draft tree (nodes, root excluded) the CLI builds; bigger trees are refused before allocation
 MAX_TREE_NODES = 1024
-#: --draft words; anything else must be an existing local path, a hub id "owner/name", or early-exit:L
+#: --draft words; anything else must be ngram:DEPTH,BRANCHES, an existing local path, a hub id "owner/name", or
+#: early-exit:L
 DRAFT_WORDS = ("auto", "lookup+head", "head", "ngram", "none")
 
 
@@ -60,6 +103,8 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
     (:data:`AUTO_TARGET_EVIDENCE`), so ``auto`` is ``embedded-gguf`` there when llama-cpp-python is installed and
     nothing asks for PyTorch (``--dtype``, ``--exact``, ``--quantize``, ``--runner``, a draft model); elsewhere
     ``embedded`` (PyTorch, where bf16 trees were measured fastest at T=0)."""
+    import torch
+
     if args.target != "auto":
         return args.target, None
     if dtype is None:
@@ -78,9 +123,31 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
 
 def _leaf_logits(args: argparse.Namespace) -> bool:
     """``--leaf-logits`` as :class:`GenerationConfig`'s ``leaf_logits`` (``auto``: the target's measured setting)."""
+    from .drafters import default_leaf_logits
+
     if args.leaf_logits != "auto":
         return args.leaf_logits == "on"
-    return default_leaf_logits(args.target, "none" if args.plain else _resolved_draft(args))
+    draft = "none" if args.plain else _resolved_draft(args)
+    return default_leaf_logits(args.target, "ngram" if _is_ngram(draft) else draft)
+
+
+def _is_ngram(draft: str) -> bool:
+    """Whether a ``--draft`` word is n-gram lookup alone: ``ngram`` or ``ngram:DEPTH,BRANCHES``."""
+    return draft == "ngram" or draft.startswith("ngram:")
+
+
+def _tree_widths(tree: tuple[int, ...]) -> tuple[int, ...]:
+    """``--tree`` as per-depth widths (one number n: a chain of n)."""
+    return (1,) * tree[0] if len(tree) == 1 else tuple(tree)
+
+
+def _shaping_flag(args: argparse.Namespace) -> str | None:
+    """The first of ``--tree``, ``--law``, ``--min-confidence`` the command gives (options that shape a model or
+    head draft), None without one."""
+    for flag, value in (("--tree", args.tree), ("--law", args.law), ("--min-confidence", args.min_confidence)):
+        if value is not None:
+            return flag
+    return None
 
 
 def _reads_head(draft: str) -> bool:
@@ -100,10 +167,10 @@ def tree_nodes(branching: tuple[int, ...]) -> int:
 def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) -> str:
     """``--draft`` with ``auto`` resolved: :func:`~treespec.drafters.default_draft` (the measured table
     :data:`~treespec.drafters.DEFAULT_DRAFTS`) for the run's target, dtype (``dtype``, else the one ``args`` asks
-    for) and temperature, except where an option names what to draft with: an explicit ``--tree`` at T=0 keeps its
-    n-gram meaning (depth,branches), and at T>0 ``--tree``, ``--min-confidence`` or ``--law`` ask for the shipped
-    head, which follows them. The head's own settings per temperature (tree, confidence, law, 4-bit weights) are
-    :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`."""
+    for) and temperature. ``--tree``, ``--law`` and ``--min-confidence`` shape the head of what auto picks; where
+    auto picks a draft without one (n-gram lookup or none), they ask for the shipped head on the embedded targets
+    and are refused on others (the head fits Gemma-3-270M only). The head's own settings per temperature (tree,
+    confidence, law, 4-bit weights) are :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`."""
     from .drafters import default_draft
 
     if args.draft != "auto":
@@ -112,15 +179,16 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
         dtype = resolve_cli_dtype(args)
     target = resolve_target(args, dtype)[0]
     draft = default_draft(target, dtype, args.temperature)
-    kind = target_kind(target)
-    if kind == "other":
+    flag = _shaping_flag(args)
+    if flag is None or not (_is_ngram(draft) or draft == "none"):
         return draft
-    head_fits = target in ("embedded", EMBEDDED_GGUF)
-    if args.temperature <= 0 and args.tree is not None:  # an explicit --tree keeps its n-gram meaning
-        return "ngram"
-    if draft == "none" and (args.tree is not None or args.min_confidence is not None or args.law is not None):
-        return "head" if head_fits and args.temperature > 0 else "ngram"  # speculation asked for: a drafter follows
-    return draft
+    if target in ("embedded", EMBEDDED_GGUF):
+        return "head"
+    spelled = " (for n-gram lookup spell its shape --draft ngram:DEPTH,BRANCHES, e.g. ngram:8,4)" \
+        if flag == "--tree" else ""
+    auto = "drafts with n-gram lookup" if _is_ngram(draft) else "decodes without a draft"
+    raise CliInputError(f"{flag} shapes a model or head draft, and --draft auto {auto} on this target, which the "
+                        f"shipped head does not fit: name a --draft model or head file{spelled}, or drop {flag}")
 
 
 def _check_gguf_args(args: argparse.Namespace) -> None:
@@ -137,22 +205,26 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
     if _reads_head(draft) and args.target != EMBEDDED_GGUF:
         raise CliInputError(f"--draft {draft} reads the hidden states of the embedded Gemma-3-270M; on another GGUF "
                             f"use --draft ngram or none")
-    if draft.startswith("early-exit:") or (draft not in DRAFT_WORDS and not draft.endswith(".safetensors")
-                                            and not draft.startswith("lookup+")):
+    if draft.startswith("early-exit:") or (draft not in DRAFT_WORDS and not _is_ngram(draft)
+                                            and not draft.endswith(".safetensors") and not draft.startswith("lookup+")):
         raise CliInputError(f"--draft {draft} needs a PyTorch target; a GGUF target drafts with ngram, head, "
                             f"lookup+head or a head file")
-    if args.tree is not None:  # the llama.cpp runner's limits, checked before anything loads
+    shape = None  # the llama.cpp runner's limits, checked before anything loads
+    if draft.startswith("ngram:"):
+        from .drafters import ngram_config
+
+        config = ngram_config(draft)
+        shape = f"--draft {draft}", config.depth * config.branches, config.branches
+    elif args.tree is not None:
+        widths = _tree_widths(args.tree)
+        shape = f"--tree {','.join(map(str, args.tree))}", tree_nodes(widths), math.prod(widths)
+    if shape is not None:
         from .models.llama_cpp import DEFAULT_MAX_LEAVES, DEFAULT_TREE_CELLS
 
-        if draft == "ngram":
-            nodes, leaves = args.tree[0] * args.tree[-1], args.tree[-1]
-        else:
-            branching = (1,) * args.tree[0] if len(args.tree) == 1 else args.tree
-            nodes, leaves = tree_nodes(branching), math.prod(branching)
+        what, nodes, leaves = shape
         if nodes + 1 > DEFAULT_TREE_CELLS or leaves > DEFAULT_MAX_LEAVES:
-            raise CliInputError(f"--tree {','.join(map(str, args.tree))}: {nodes} draft nodes and {leaves} leaves; "
-                                f"a llama.cpp pass takes at most {DEFAULT_TREE_CELLS - 1} nodes and "
-                                f"{DEFAULT_MAX_LEAVES} leaves")
+            raise CliInputError(f"{what}: {nodes} draft nodes and {leaves} leaves; a llama.cpp pass takes at most "
+                                f"{DEFAULT_TREE_CELLS - 1} nodes and {DEFAULT_MAX_LEAVES} leaves")
 
 
 def usable_cores() -> int:
@@ -163,7 +235,40 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _check_tree(args: argparse.Namespace) -> None:
+    """``--tree`` shapes a model or head draft only: refused, with the right spelling, for n-gram lookup (which
+    takes ``--draft ngram:DEPTH,BRANCHES``) and for a run without a draft; a malformed ``ngram:`` spelling and a
+    tree above :data:`MAX_TREE_NODES` nodes are refused too."""
+    if args.draft.startswith("ngram:") and not args.plain:
+        from .drafters import ngram_config
+
+        try:
+            ngram_config(args.draft)
+        except ValueError as err:
+            raise CliInputError(f"--draft {err}") from None
+    if args.tree is None:
+        return
+    tree = ",".join(map(str, args.tree))
+    if args.plain or args.draft == "none":
+        raise CliInputError(f"--tree {tree} shapes a draft tree, and {'--plain' if args.plain else '--draft none'} "
+                            f"drafts nothing: drop --tree, or name a --draft to speculate with")
+    if _is_ngram(args.draft):
+        spelled = f"ngram:{tree}" if len(args.tree) == 2 else "ngram:DEPTH,BRANCHES (e.g. ngram:8,4)"
+        raise CliInputError(f"--tree shapes a model or head draft; n-gram lookup takes its shape in the draft "
+                            f"word: --draft {spelled}")
+    nodes = tree_nodes(_tree_widths(args.tree))
+    if nodes > MAX_TREE_NODES:
+        raise CliInputError(f"--tree {tree} asks for {nodes} draft nodes; the limit is {MAX_TREE_NODES}")
+
+
 def _check_args(args: argparse.Namespace) -> None:
+    import torch
+
+    from .drafters import target_kind
+
+    _check_tree(args)
+    if not args.plain:
+        _resolved_draft(args)  # --draft auto refuses a --tree / --law / --min-confidence it cannot follow
     if args.threads is not None and args.threads < 1:
         raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
     if args.threads is not None and args.threads > usable_cores():
@@ -186,18 +291,8 @@ def _check_args(args: argparse.Namespace) -> None:
         if not _reads_head(draft):
             raise CliInputError(f"--draft-quantize {args.draft_quantize} applies to a draft head (--draft head, "
                                 f"lookup+head or a head .safetensors); this run drafts with {draft!r}")
-    if args.tree is not None:
-        ngram = not args.plain and _resolved_draft(args) == "ngram"
-        if ngram and len(args.tree) != 2:
-            raise CliInputError(f"for --draft ngram, --tree takes depth,branches (e.g. 8,4); "
-                                f"got {','.join(map(str, args.tree))}")
-        branching = (1,) * args.tree[0] if len(args.tree) == 1 else args.tree
-        nodes = args.tree[0] * args.tree[1] if ngram else tree_nodes(branching)
-        if nodes > MAX_TREE_NODES:
-            raise CliInputError(f"--tree {','.join(map(str, args.tree))} asks for {nodes} draft nodes; "
-                                f"the limit is {MAX_TREE_NODES}")
     draft = args.draft
-    if args.plain or draft in DRAFT_WORDS or draft.startswith("early-exit:"):
+    if args.plain or draft in DRAFT_WORDS or _is_ngram(draft) or draft.startswith("early-exit:"):
         return
     path = draft.removeprefix("lookup+")
     if path.endswith(".safetensors") or draft.startswith("lookup+"):
@@ -209,66 +304,116 @@ def _check_args(args: argparse.Namespace) -> None:
     if path.startswith(("/", ".", "~")) or os.sep + os.sep in path:
         raise CliInputError(f"--draft {draft}: no draft model directory {path!r}")
     if "/" not in draft:
-        raise CliInputError(f"unknown --draft {draft!r}: expected one of {', '.join(DRAFT_WORDS)}, early-exit:L, "
-                            f"a .safetensors head file, or an existing draft model directory")
+        raise CliInputError(f"unknown --draft {draft!r}: expected one of {', '.join(DRAFT_WORDS)}, "
+                            f"ngram:DEPTH,BRANCHES, early-exit:L, a .safetensors head file, or an existing draft "
+                            f"model directory")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treespec", description="Lossless token-tree speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
+    _model_arguments(g)
+    _draft_arguments(g)
+    _sampling_arguments(g)
+    _engine_arguments(g)
+    return parser
+
+
+def _model_arguments(g: argparse.ArgumentParser) -> None:
+    """The prompt and the target."""
     g.add_argument("prompt", help="the prompt text (Gemma-3-270M is a base model: plain text, no chat template)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user turn in the tokenizer's chat template, with the assistant's "
+                        "generation prompt (instruction-tuned models; refused for a tokenizer without a template, "
+                        "as the embedded Gemma-3-270M's)")
     g.add_argument("--target", default="embedded",
                    help="target model: 'embedded' (default: Gemma-3-270M in PyTorch, de-quantised), 'embedded-gguf' "
                         "(its Q4_K_M GGUF in llama.cpp), a .gguf file (llama.cpp; pip install llama-cpp-python), a "
                         "Hugging Face path/id, or 'auto': the embedded model on the engine measured fastest for this "
                         "CPU (llama.cpp where the CPU computes no bf16 natively and llama-cpp-python is installed, "
                         "else PyTorch)")
+
+
+def _draft_arguments(g: argparse.ArgumentParser) -> None:
+    """What drafts, in which shape and law, and how it is verified."""
     g.add_argument("--draft", default="auto",
                    help="'auto' (default: the best measured on train prompts; on the embedded target in bf16 "
                         "'lookup+head' at T=0 and the shipped head at T>0, both on 4-bit head weights; in float32 "
                         "n-gram lookup at T=0 and no draft at T>0, where every drafter measured slower than plain "
                         "decoding; n-gram lookup on other targets), "
                         "'lookup+head' (prompt lookup where the context repeats, the shipped Gemma-3-270M draft "
-                        "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone), 'none', "
+                        "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone: an adaptive "
+                        "chain of up to 8 tokens, the measured default), 'ngram:DEPTH,BRANCHES' (prompt lookup "
+                        "drafting up to BRANCHES continuations of DEPTH tokens, e.g. ngram:8,4), 'none', "
                         "a draft causal LM path/id sharing the tokenizer, an EAGLE head .safetensors "
                         "(python -m treespec.distill; 'lookup+PATH.safetensors' pairs it with lookup), or "
                         "early-exit:L (the target's first L layers as its own draft)")
     g.add_argument("--min-confidence", type=float, default=None,
-                   help="temperature 0, head drafts: keep a drafted token only if the head gives it at least this "
-                        "probability (default: the shipped head's measured setting)")
+                   help="adaptive draft length of a head draft, at any temperature: a drafted token gets children "
+                        "only if the head gives it at least this probability (at temperature 0 a candidate below it "
+                        "is dropped; at T > 0 every drawn child is kept, so the draft law is untouched); 0 drafts "
+                        "the whole tree (default: the shipped head's measured setting, 0.2 at either temperature; "
+                        "0 for a head file of your own)")
     g.add_argument("--tree", type=_branching, default=None,
-                   help="children per depth for a model draft, e.g. 4 (chain of 4: 1,1,1,1) or 2,2,1; "
-                        "for ngram: depth,branches (default 8,4); with --draft auto at T=0 it asks for n-gram lookup "
-                        "with that depth,branches (auto's lookup+head would otherwise ignore it)")
+                   help="children per depth of a model or head draft, e.g. 4 (a chain of 4: 1,1,1,1) or 2,2,1; "
+                        "with --draft auto it shapes the head of what auto picks, and where auto picks n-gram "
+                        "lookup or no draft it asks for the shipped head (embedded targets). N-gram lookup takes "
+                        "its shape in --draft ngram:DEPTH,BRANCHES instead (default: the shipped head's measured "
+                        "tree, a chain of 3; a chain of 4 for a head file or draft model)")
     g.add_argument("--law", choices=DRAFT_LAWS, default=None,
                    help="draft law of a model draft at temperature > 0 (default: the shipped head's own "
                         "setting for T > 0, iid for other drafts)")
-    g.add_argument("--verifier", choices=["auto", *sorted(VERIFIERS)], default="auto")
+    g.add_argument("--verifier", choices=["auto", *sorted(VERIFIER_MEANINGS)], default="auto",
+                   help="how drafted tokens are accepted, each lossless for its draft law: auto (default: greedy at "
+                        "temperature 0, else the rule for the draft's law: rrs for iid, rrs_without_replacement, "
+                        "deterministic, greedy_draft or spechub for the laws of those names); "
+                        + "; ".join(f"{name}: {meaning}" for name, meaning in sorted(VERIFIER_MEANINGS.items())))
     g.add_argument("--leaf-logits", choices=["auto", "on", "off"], default="auto",
                    help="the target's logits at tree leaves: on (a path accepted down to a leaf also yields the "
                         "leaf's bonus token), off (LM-head rows for the root and the nodes with children only: "
                         "one row fewer per leaf, the same output law), auto (default: the measured setting for "
-                        "the target, treespec.drafters.DEFAULT_LEAF_LOGITS)"),
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+                        "the target, treespec.drafters.DEFAULT_LEAF_LOGITS)")
+
+
+def _sampling_arguments(g: argparse.ArgumentParser) -> None:
+    """How many tokens, and the target's sampling law."""
+    g.add_argument("--max-new-tokens", type=int, default=64,
+                   help="the most tokens to generate (fewer at EOS, see --no-stop) (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy decoding (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most probable tokens only; 0 = no top-k filter (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the most probable tokens up to this total probability; 1 = no filter "
+                        "(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, to reproduce a run (default: a fresh random seed per run, reported in the "
+                        "closing line and as --json's \"seed\"; pass it back to repeat the run). Temperature 0 "
+                        "draws nothing: the seed is recorded but changes nothing")
+    g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
+
+
+def _engine_arguments(g: argparse.ArgumentParser) -> None:
+    """How the target computes, and what is printed."""
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="auto: bf16 where the CPU computes it natively, else fp32. Every dtype is lossless with "
+                   help="auto (default): bf16 where the CPU computes it natively, else fp32. Every dtype is "
+                        "lossless with "
                         "respect to the target as evaluated on tree passes; token-identity with --plain at "
                         "temperature 0 is guaranteed only in float32 (bf16 tree passes round differently from "
                         "one-token passes). See --exact")
     g.add_argument("--exact", action="store_true",
                    help="force float32 so that temperature-0 output is token-identical to --plain")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of torch and of llama.cpp (default: torch's own setting, one per physical "
+                        "core)")
     g.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
                    help="target forward: 'fast' = lean Gemma-3 forward over a static cache (the same function, "
-                        "tested against the eager one), 'eager' = the Hugging Face module, 'auto' = fast where it "
-                        "covers the model")
+                        "tested against the eager one), 'eager' = the Hugging Face module, 'auto' (default) = fast "
+                        "where it covers the model")
     g.add_argument("--quantize", choices=["none", *QUANTIZE_MODES], default="none",
-                   help="int4: the target's linear layers (LM head included) run on 4-bit weights (groups of 32, "
+                   help="none (default): the target's own weights; int4: the target's linear layers (LM head "
+                        "included) run on 4-bit weights (groups of 32, "
                         "CPU kernel; about the size of the GGUF it was de-quantised from): a different, faster "
                         "model; speculative decoding is lossless with respect to it (compare with --plain "
                         "--quantize int4)")
@@ -279,24 +424,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "4-bit weights in bfloat16 on a CPU (both temperatures), else none; a head file of your own: "
                         "none")
     g.add_argument("--plain", action="store_true", help="plain autoregressive decoding of the target, for comparison")
-    g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
     g.add_argument("--json", action="store_true", help="print text, token_ids and statistics as JSON")
-    return parser
 
 
 def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
+    from .drafters import DraftOptions
+
     draft = "none" if args.plain else _resolved_draft(args, dtype)
     if draft == "none":
         return None
-    # _check_args has refused an n-gram --tree that is not depth,branches
+    # _check_args has refused a --tree for n-gram lookup (its shape is in the word: ngram:DEPTH,BRANCHES)
     options = DraftOptions(tuple(args.tree) if args.tree else None, args.law, args.min_confidence,
                            None if args.draft_quantize == "auto" else args.draft_quantize)
+    build_drafter = _engine("build_drafter")
     return build_drafter(draft, target_model, options, temperature=args.temperature, tokenizer=target_tokenizer,
                          dtype=dtype)
 
 
 def _head_weights(drafter: Drafter | None) -> str | None:
     """The weight form of the draft head ``drafter`` drafts with (inside a ``FirstOf`` too), None without one."""
+    from .drafting.compose import FirstOf
+
     for d in drafter.drafters if isinstance(drafter, FirstOf) else [drafter]:
         head = getattr(getattr(d, "runner", None), "head", None)
         if head is not None and hasattr(head, "inference_weights"):
@@ -306,6 +454,8 @@ def _head_weights(drafter: Drafter | None) -> str | None:
 
 def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:
     """The model dtype the CLI uses: float32 under ``--exact`` (refusing ``--exact --dtype bfloat16``)."""
+    import torch
+
     from .models.loading import resolve_dtype
 
     if args.exact:
@@ -316,6 +466,8 @@ def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def _guarantee(dtype: torch.dtype, temperature: float, plain: bool, runner: str = "fast") -> str:
+    import torch
+
     if plain:
         return "plain decoding"
     if runner == "llama.cpp":
@@ -329,6 +481,8 @@ def _guarantee(dtype: torch.dtype, temperature: float, plain: bool, runner: str 
 def _target_runner(target, choice: str, quantize: str = "none") -> ModelRunner:
     """The target's runner for ``--runner`` and ``--quantize`` (``fast`` and a quantisation refuse a model
     the fast path does not cover)."""
+    from .models.fast import fast_supported, make_runner
+
     reason = fast_supported(target)
     if quantize != "none":
         if reason is not None:
@@ -340,6 +494,7 @@ def _target_runner(target, choice: str, quantize: str = "none") -> ModelRunner:
 
 
 def _runner_name(runner) -> str:
+    from .models.fast import FastGemmaRunner
     from .models.llama_cpp import LlamaCppRunner
 
     if isinstance(runner, LlamaCppRunner):
@@ -350,6 +505,8 @@ def _runner_name(runner) -> str:
 def _gguf_runner(args):
     """(llama.cpp runner, its tokenizer, the PyTorch model a draft head reads, or None) for a GGUF ``--target``.
     The embedded GGUF's draft head takes its embedding and LM head from the de-quantised embedded model."""
+    import torch
+
     from .models.llama_cpp import LlamaCppRunner, LlamaCppTokenizer, llama_cpp_available
     from .models.loading import embedded_gguf, load_model
 
@@ -357,22 +514,56 @@ def _gguf_runner(args):
     if reason is not None:
         raise ImportError(reason)
     path = embedded_gguf() if args.target == EMBEDDED_GGUF else args.target
-    print("treespec: loading the GGUF model in llama.cpp...", file=sys.stderr, flush=True)
     draft = "none" if args.plain else _resolved_draft(args)
     needs_model = _reads_head(draft)
+    also = " (and the embedded model in PyTorch, whose embedding and LM head the draft head reads)" \
+        if needs_model else ""
+    print(f"treespec: loading {_model_words(args.target, resolve_cli_dtype(args))}{also}...", file=sys.stderr,
+          flush=True)
     # a head reads hidden states: captured from llama.cpp's graph, so that the prefill skips the LM head
     runner = LlamaCppRunner(path, threads=args.threads or torch.get_num_threads(), capture_hidden=needs_model)
     target = load_model("embedded", dtype=resolve_cli_dtype(args)) if needs_model else None
     return runner, LlamaCppTokenizer(runner), target
 
 
-#: seconds the CLI waits for the Hugging Face hub to answer before it names a hub id unreachable
-HUB_PROBE_S = 3.0
+def _model_words(target: str, dtype: torch.dtype) -> str:
+    """The target model in words, for the line printed while it loads."""
+    dtype_word = str(dtype).replace("torch.", "")
+    if target == "embedded":
+        return f"the embedded Gemma-3-270M (PyTorch, {dtype_word})"
+    if target == EMBEDDED_GGUF:
+        return "the embedded Gemma-3-270M's Q4_K_M GGUF in llama.cpp"
+    if target.lower().endswith(".gguf"):
+        return f"the GGUF {target} in llama.cpp"
+    return f"{target} (PyTorch, {dtype_word})"
+
+
+def _draft_words(draft: str, counts: list[int] | None = None) -> str:
+    """A resolved ``--draft`` word in words, for the closing line; ``counts``: the trees each drafter of a
+    ``lookup+...`` pair proposed."""
+    if draft == "ngram":
+        return "n-gram lookup"
+    if _is_ngram(draft):
+        depth, branches = draft.removeprefix("ngram:").split(",")
+        return f"n-gram lookup ({branches} continuations of {depth} tokens)"
+    if draft.startswith("early-exit:"):
+        return f"the target's first {draft.removeprefix('early-exit:')} layers"
+    if draft.startswith("lookup+"):
+        head = _draft_words(draft.removeprefix("lookup+"))
+        if counts is None or len(counts) != 2:
+            return f"n-gram lookup, then {head}"
+        return f"n-gram lookup ({counts[0]} trees), then {head} ({counts[1]} trees)"
+    if draft == "head":
+        return "the shipped head"
+    if draft.endswith(".safetensors"):
+        return f"the head {draft}"
+    return f"the draft model {draft}"
 
 
 def _hub_ids(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(flag, id) of the models this run would fetch from the Hugging Face hub: a ``--target`` or ``--draft``
     model that is neither a local path nor the embedded model (a GGUF target is a file)."""
+    from .drafters import target_kind
     from .models.loading import EMBEDDED_NAMES
 
     ids = []
@@ -386,50 +577,6 @@ def _hub_ids(args: argparse.Namespace) -> list[tuple[str, str]]:
     return ids
 
 
-def _hub_reachable(timeout: float = HUB_PROBE_S) -> str | None:
-    """None when a TCP connection to the hub endpoint (or the HTTPS proxy the environment names) opens within
-    ``timeout`` seconds, else why not. Runs in a thread, so a resolver that hangs costs ``timeout`` too."""
-    import socket
-    import threading
-    from urllib.parse import urlsplit
-
-    from huggingface_hub import constants
-
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urlsplit(proxy if proxy and "://" in proxy else f"http://{proxy}" if proxy else constants.ENDPOINT)
-    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
-    outcome: dict[str, str | None] = {}
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome["error"] = None
-        except OSError as err:
-            outcome["error"] = str(err) or type(err).__name__
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout + 0.5)
-    if "error" not in outcome:
-        return f"no answer from {host}:{port} in {timeout:.0f} s"
-    return None if outcome["error"] is None else f"{host}:{port}: {outcome['error']}"
-
-
-def _cached_snapshot(name: str) -> str | None:
-    """The local Hugging Face cache's folder of hub model ``name`` when it holds a config and safetensors
-    weights, else None."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        config = try_to_load_from_cache(name, "config.json")
-    except ValueError:  # not a valid repository id
-        return None
-    if not isinstance(config, str):
-        return None
-    folder = os.path.dirname(config)
-    return folder if any(f.endswith(".safetensors") for f in os.listdir(folder)) else None
-
-
 def _check_hub_access(args: argparse.Namespace) -> None:
     """A hub id is read from the local Hugging Face cache when it is there (``args`` then names the cached
     folder: no request); otherwise the hub must answer at once: offline (HF_HUB_OFFLINE, or no connection
@@ -438,7 +585,7 @@ def _check_hub_access(args: argparse.Namespace) -> None:
 
     missing = []
     for flag, name in _hub_ids(args):
-        folder = _cached_snapshot(name)
+        folder = _engine("_cached_snapshot")(name)
         if folder is None:
             missing.append((flag, name))
         elif flag == "--target":
@@ -453,7 +600,7 @@ def _check_hub_access(args: argparse.Namespace) -> None:
     if offline or constants.HF_HUB_OFFLINE:
         raise CliInputError(f"{flag} {name}: no such local folder, not in the Hugging Face cache, and the hub is off "
                             f"(HF_HUB_OFFLINE): download it first or pass a local folder")
-    reason = _hub_reachable()
+    reason = _engine("_hub_reachable")()
     if reason is not None:
         raise CliInputError(f"{flag} {name}: no such local folder and not in the Hugging Face cache, and the hub "
                             f"({constants.ENDPOINT}) cannot be reached ({reason}): connect to the network, or pass "
@@ -461,12 +608,20 @@ def _check_hub_access(args: argparse.Namespace) -> None:
 
 
 def run_generate(args) -> int:
-    from .models.loading import load_model, load_tokenizer, resolve_dtype
+    import torch
+
+    from .generate import GenerationConfig
+    from .hf import encode_prompt
+    from .sampling import SamplingConfig
+
+    generate = _engine("generate")
 
     if getattr(args, "target_reason", None):
         print(f"treespec: {args.target_reason}", file=sys.stderr, flush=True)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+    # without --seed a run draws a fresh seed, reported so that --seed reproduces it (unused at T=0)
+    seed = secrets.randbits(63) if args.seed is None else args.seed
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
                               stop_on_eos=not args.no_stop, verifier=args.verifier,
                               leaf_logits=_leaf_logits(args))
     if not args.prompt.strip():
@@ -479,69 +634,104 @@ def run_generate(args) -> int:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")
-    if target_kind(args.target) == "gguf":
-        runner, tokenizer, target = _gguf_runner(args)  # target: None unless a head reads it
-    else:
-        tokenizer = load_tokenizer(args.target)
-        target = load_model(args.target, dtype=dtype)
-        runner = None
+    runner, tokenizer, target = _load_target(args, dtype)
     drafter = _drafter(args, target, tokenizer, dtype)
-    prompt_ids = tokenizer(args.prompt)["input_ids"]
+    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
     progress = args.progress = {"prompt_ids": prompt_ids, "token_ids": [], "tokenizer": tokenizer}
-    if args.json:
-        def stream(new_ids: list[int]) -> None:  # kept for a JSON document on Ctrl-C
-            progress["token_ids"].extend(new_ids)
-    else:
-        shown = {"ids": progress["token_ids"], "text": ""}
-
-        def stream(new_ids: list[int]) -> None:
-            if not shown["ids"]:  # the prompt is echoed with the first tokens: a refusal by generate() prints nothing
-                print(args.prompt, end="")
-            shown["ids"].extend(new_ids)
-            text = tokenizer.decode(shown["ids"], skip_special_tokens=True)
-            print(text[len(shown["text"]):], end="", flush=True)
-            shown["text"] = text
-
     if runner is None:
         runner = _target_runner(target, args.runner, args.quantize)
-    result = generate(runner, prompt_ids, drafter, config, tokenizer=tokenizer, callback=stream)
-    summary = result.summary()
+    result = generate(runner, prompt_ids, drafter, config, tokenizer=tokenizer,
+                      on_tokens=_streamer(args, tokenizer, progress))
+    info = _run_info(args, drafter, runner, dtype)
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
+                          "seed": seed, "statistics": {**result.summary(), **info,
+                                                       "accepted_per_step": [s.accepted for s in result.steps]}}))
+    else:
+        print()
+        _print_closing(args, result.summary(), info, drafter is None, dtype, seed)
+    return 0
+
+
+def _load_target(args, dtype):
+    """``(runner, tokenizer, target)``: a GGUF target's llama.cpp runner (``target`` None unless a head reads it),
+    or the loaded PyTorch model (``runner`` None: built around it later), with a line on stderr while it loads."""
+    from .drafters import target_kind
+    from .hf import chat_prompt
+    from .models.loading import load_model, load_tokenizer
+
+    if target_kind(args.target) == "gguf":
+        return _gguf_runner(args)
+    tokenizer = load_tokenizer(args.target)
+    if args.chat:
+        chat_prompt(tokenizer, args.prompt)  # a tokenizer without a template is refused before the model loads
+    print(f"treespec: loading {_model_words(args.target, dtype)}...", file=sys.stderr, flush=True)
+    return None, tokenizer, load_model(args.target, dtype=dtype)
+
+
+def _streamer(args, tokenizer, progress: dict):
+    """The per-step hook (``on_tokens``): with ``--json`` it keeps the tokens (for a JSON document on Ctrl-C), else it
+    prints the prompt with the first tokens and then the new text as it comes."""
+    if args.json:
+        def keep(new_ids: list[int]) -> None:
+            progress["token_ids"].extend(new_ids)
+        return keep
+    shown = {"ids": progress["token_ids"], "text": ""}
+
+    def show(new_ids: list[int]) -> None:
+        if not shown["ids"]:  # the prompt is echoed with the first tokens: a refusal by generate() prints nothing
+            print(args.prompt, end="")
+        shown["ids"].extend(new_ids)
+        text = tokenizer.decode(shown["ids"], skip_special_tokens=True)
+        print(text[len(shown["text"]):], end="", flush=True)
+        shown["text"] = text
+    return show
+
+
+def _run_info(args, drafter, runner, dtype) -> dict:
+    """What ran, for ``--json``'s statistics and the closing line."""
+    from .drafting.compose import FirstOf
+
     info = {"method": "plain" if drafter is None else type(drafter).__name__,
             "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature,
-            "runner": _runner_name(runner),
-            "quantize": args.quantize}
+            "runner": _runner_name(runner), "quantize": args.quantize}
     if isinstance(drafter, FirstOf):  # which drafter proposed how many trees
         info["method"] = f"FirstOf({', '.join(type(d).__name__ for d in drafter.drafters)})"
         info["proposals"] = drafter.counts
     head_weights = _head_weights(drafter)
     if head_weights is not None:  # "int4", "packed" (bf16, oneDNN layout) or "plain"
         info["draft_weights"] = head_weights
-    if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
-                          "statistics": {**summary, **info,
-                                         "accepted_per_step": [s.accepted for s in result.steps]}}))
-    else:
-        print()
-        weights = "" if args.quantize == "none" else f", {args.quantize} weights"
-        if head_weights is not None:
-            weights += f", {head_weights} draft head"
-        dtype_word = "GGUF weights" if info["runner"] == "llama.cpp" else info["dtype"]
-        print(f"[{info['method']}, {dtype_word}{weights}, {info['runner']} runner] {summary['new_tokens']} tokens in {summary['wall_s']:.2f} s "
-              f"({summary['tokens_per_s']:.1f} tokens/s), {summary['target_calls']} target passes, "
-              f"tau {summary['tau']:.2f}; {_guarantee(dtype, args.temperature, drafter is None, info['runner'])}",
-              file=sys.stderr)
-        if info["runner"] != "llama.cpp" and args.target == "embedded" and args.dtype == "auto" \
-                and dtype == torch.float32 and not args.exact:
-            print(f"(this CPU computes no bf16 natively, so the PyTorch target runs float32; the same model decoded "
-                  f"several times faster in llama.cpp on such a CPU: --target auto or embedded-gguf, with "
-                  f"llama-cpp-python installed; {AUTO_TARGET_EVIDENCE})", file=sys.stderr)
-        if drafter is None and not args.plain and args.draft == "auto" and info["runner"] == "llama.cpp":
-            print("(--draft auto decodes plainly on a GGUF target in float32: every drafter measured slower than plain "
-                  "decoding there; name a --draft to speculate anyway)", file=sys.stderr)
-        elif drafter is None and not args.plain and args.draft == "auto":
-            print("(--draft auto decodes plainly at T>0 in float32: every drafter measured slower there; "
-                  "--dtype bfloat16 where the CPU computes it natively, or name a --draft)", file=sys.stderr)
-    return 0
+    return info
+
+
+def _print_closing(args, summary: dict, info: dict, plain: bool, dtype, seed: int) -> None:
+    """The closing line on stderr (tokens, target passes, tau, the drafter in words, the guarantee), and a
+    hint where ``auto`` chose float32 or plain decoding."""
+    import torch
+
+    weights = "" if args.quantize == "none" else f", {args.quantize} weights"
+    if "draft_weights" in info:
+        weights += f", {info['draft_weights']} draft head"
+    dtype_word = "GGUF weights" if info["runner"] == "llama.cpp" else info["dtype"]
+    passes = "(plain decoding, one token per pass)" if plain else \
+        f"({summary['tau']:.2f} tokens per pass, tau) drafted by " \
+        f"{_draft_words(_resolved_draft(args, dtype), info.get('proposals'))}"
+    sampled = f", seed {seed} (--seed {seed} repeats this run)" if args.temperature > 0 else ""
+    print(f"treespec: {summary['new_tokens']} tokens in {summary['target_calls']} target passes {passes}; "
+          f"{summary['wall_s']:.2f} s ({summary['tokens_per_s']:.1f} tokens/s), {dtype_word} target{weights}, "
+          f"{info['runner']} runner{sampled}; "
+          f"{_guarantee(dtype, args.temperature, plain, info['runner'])}", file=sys.stderr)
+    if info["runner"] != "llama.cpp" and args.target == "embedded" and args.dtype == "auto" \
+            and dtype == torch.float32 and not args.exact:
+        print(f"(this CPU computes no bf16 natively, so the PyTorch target runs float32; the same model decoded "
+              f"several times faster in llama.cpp on such a CPU: --target auto or embedded-gguf, with "
+              f"llama-cpp-python installed; {AUTO_TARGET_EVIDENCE})", file=sys.stderr)
+    if plain and not args.plain and args.draft == "auto" and info["runner"] == "llama.cpp":
+        print("(--draft auto decodes plainly on a GGUF target in float32: every drafter measured slower than plain "
+              "decoding there; name a --draft to speculate anyway)", file=sys.stderr)
+    elif plain and not args.plain and args.draft == "auto":
+        print("(--draft auto decodes plainly at T>0 in float32: every drafter measured slower there; "
+              "--dtype bfloat16 where the CPU computes it natively, or name a --draft)", file=sys.stderr)
 
 
 def _interrupted(args: argparse.Namespace) -> int:
@@ -567,6 +757,8 @@ def _interrupted(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import torch
+
     torch.set_grad_enabled(False)
     try:
         return _main(args)

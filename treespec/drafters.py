@@ -1,7 +1,7 @@
 """One registry of drafters by name: what ``treespec generate --draft``, ``benchmarks/run.py`` and
 ``benchmarks/bench_trees.py`` build.
 
-* :func:`build_drafter` (the CLI's ``--draft`` words): ``ngram``, ``head``, ``lookup+head``,
+* :func:`build_drafter` (the CLI's ``--draft`` words): ``ngram``, ``ngram:DEPTH,BRANCHES``, ``head``, ``lookup+head``,
   ``lookup+H.safetensors``, ``H.safetensors``, ``early-exit:L`` or a Hugging Face draft model path;
 * :func:`build_tree_drafter` (tree builders at a node budget, :data:`TREE_BUILDERS`): ``ngram``,
   ``chain``, ``specinfer``, ``spectr``, ``sequoia``, ``dyspec``, ``dyspec_threshold``, ``eagle2``,
@@ -27,6 +27,8 @@ from .trees.shape import TreeShape
 
 #: the best measured n-gram default (benchmarks/results/speed): an adaptive chain of up to 8
 LOOKUP = NgramConfig(depth=8, branches=1, adaptive=True)
+#: the most draft nodes (root excluded) an ``ngram:DEPTH,BRANCHES`` spelling may ask for (the CLI's MAX_TREE_NODES)
+MAX_NGRAM_NODES = 1024
 
 TREE_BUILDERS = ("ngram", "chain", "specinfer", "spectr", "sequoia", "dyspec", "dyspec_threshold", "eagle2",
                  "merged")
@@ -34,7 +36,8 @@ TREE_BUILDERS = ("ngram", "chain", "specinfer", "spectr", "sequoia", "dyspec", "
 
 @dataclass(frozen=True)
 class DraftOptions:
-    """``tree``: per-depth widths (one number n: a chain of n; for ``ngram``: depth, branches);
+    """``tree``: per-depth widths of a model or head draft (one number n: a chain of n); n-gram lookup takes
+    its shape in its name instead (``ngram:DEPTH,BRANCHES``, :func:`ngram_config`), and refuses a ``tree``;
     ``law``: draft law of model / head trees at temperature > 0; ``min_confidence``: adaptive draft
     length of a head. None: the drafter's default (the shipped head's measured settings at the
     generation's temperature, :data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS`; else a chain of 4,
@@ -134,6 +137,26 @@ def default_draft(target: str, dtype: torch.dtype, temperature: float) -> str:
     return entry.draft if entry is not None else "ngram"
 
 
+def ngram_config(name: str) -> NgramConfig:
+    """The n-gram lookup ``--draft name`` stands for: ``ngram``, the measured adaptive chain :data:`LOOKUP`, or
+    ``ngram:DEPTH,BRANCHES``, up to BRANCHES distinct continuations of DEPTH tokens (DEPTH x BRANCHES nodes at
+    most, bounded by :data:`MAX_NGRAM_NODES`). A malformed spelling raises ValueError naming it."""
+    if name == "ngram":
+        return LOOKUP
+    spec = name.removeprefix("ngram:")
+    try:
+        depth, branches = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"{name}: n-gram lookup takes ngram:DEPTH,BRANCHES with two positive integers "
+                         f"(e.g. ngram:8,4), or plain ngram") from None
+    if depth < 1 or branches < 1:
+        raise ValueError(f"{name}: DEPTH and BRANCHES must be positive integers (e.g. ngram:8,4)")
+    if depth * branches > MAX_NGRAM_NODES:
+        raise ValueError(f"{name} asks for {depth * branches} draft nodes (DEPTH x BRANCHES); the limit is "
+                         f"{MAX_NGRAM_NODES}")
+    return NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches)
+
+
 def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
     tree = tuple(tree or default)
     return (1,) * tree[0] if len(tree) == 1 else tree
@@ -175,11 +198,11 @@ def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, 
         path = None if name in ("head", "lookup+head") else name.removeprefix("lookup+")
         head = head_drafter(target, path, options, temperature)
         return head if name == "head" else FirstOf(NgramDrafter(LOOKUP), head)
-    if name == "ngram":
-        if options.tree is None:
-            return NgramDrafter(LOOKUP)
-        depth, branches = options.tree
-        return NgramDrafter(NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches))
+    if name == "ngram" or name.startswith("ngram:"):
+        if options.tree is not None:
+            raise ValueError(f"a tree of widths {options.tree} shapes a model or head draft; n-gram lookup takes "
+                             f"its shape in its name: ngram:DEPTH,BRANCHES (e.g. ngram:8,4)")
+        return NgramDrafter(ngram_config(name))
     if name.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
         return head_drafter(target, name, options, temperature)
     from .models.loading import load_draft_model, load_model, load_tokenizer

@@ -5,8 +5,8 @@ stdout = one JSON document, or the prompt followed by the continuation; tokens i
 refused (exit 2, exactly one ``error:`` line on stderr -- ``treespec: error:`` for the CLI's checks,
 ``treespec generate: error:`` for argparse's -- and NOTHING on stdout, also in text mode where the
 prompt is echoed); never a traceback. The space includes refusals decided only by ``generate()``
-(--max-new-tokens 600 overflows the tiny model's 512-token context) and ``--draft ngram`` with a
-one-number ``--tree``. Memory bound: no example raises the process's peak RSS by 300 MB or more
+(--max-new-tokens 600 overflows the tiny model's 512-token context), ``--tree`` with ``--draft ngram``
+(its shape is spelled ``ngram:DEPTH,BRANCHES``) and malformed ``ngram:`` spellings. Memory bound: no example raises the process's peak RSS by 300 MB or more
 (the tiny model is ~1 MB; a refused 64,64,64 tree would need > 200 GB). 150 derandomized
 examples plus 4 explicit ones, max-new-tokens <= 4: a few seconds on one core.
 """
@@ -33,7 +33,8 @@ ARGS = st.fixed_dictionaries({}, optional={
     "--verifier": st.sampled_from(["auto", "greedy", "single", "rrs", "rrs_without_replacement",
                                    "deterministic", "kseq", "greedy_draft", "spechub"]),
     "--law": st.sampled_from(["iid", "without_replacement", "deterministic", "greedy_draft", "spechub"]),
-    "--draft": st.sampled_from(["ngram", "none", "early-exit:1", "ngrams", "head-x", "/no/such.safetensors"]),
+    "--draft": st.sampled_from(["ngram", "ngram:4,2", "ngram:0,2", "none", "early-exit:1", "ngrams", "head-x",
+                                "/no/such.safetensors"]),
     "--tree": st.sampled_from(["1", "2,1", "2,2", "8,4", "64,64,64", "0", "a,b"]),
     "--threads": st.sampled_from(["1", "0", "-1"]),
     "--dtype": st.sampled_from(["float32", "bfloat16"]),
@@ -52,7 +53,7 @@ OUTCOMES: Counter[tuple[bool, int]] = Counter()  # (json mode, exit status) -> e
 @given(ARGS, st.booleans(), st.booleans())
 @example({"--draft": "ngram", "--tree": "1"}, False, False)
 @example({"--draft": "ngram", "--tree": "1"}, False, True)
-@example({"--temperature": "1", "--tree": "2,2,1"}, False, False)  # auto -> ngram at T > 0
+@example({"--temperature": "1", "--tree": "2,2,1"}, False, False)  # auto -> ngram here: --tree refused
 @example({"--max-new-tokens": "600"}, False, False)  # refused by generate(), after the model loaded
 def test_cli_fuzz(capsys, tiny_dir, options, plain, json_mode):  # noqa: F811
     argv = ["generate", PROMPT, "--target", tiny_dir, "--no-stop"]

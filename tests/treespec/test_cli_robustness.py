@@ -194,9 +194,27 @@ def test_nan_head_at_positive_temperature_is_named(target):
         generate(target, [1, 2, 3], drafter, GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(1.0)))
 
 
-@pytest.mark.parametrize("argv", [["--draft", "ngram", "--tree", "1"], ["--draft", "ngram", "--tree", "2,2,1"],
-                                  ["--tree", "3", "--temperature", "1"]])  # auto resolves to ngram at T > 0
-def test_ngram_tree_needs_depth_and_branches_before_loading(capsys, monkeypatch, tiny_dir, argv):  # noqa: F811
+@pytest.mark.parametrize("argv, match", [
+    (["--draft", "ngram", "--tree", "8,4"], "n-gram lookup takes its shape in the draft word: --draft ngram:8,4"),
+    (["--draft", "ngram", "--tree", "2,2,1"], "--draft ngram:DEPTH,BRANCHES (e.g. ngram:8,4)"),
+    (["--draft", "ngram:8,4", "--tree", "1"], "--draft ngram:DEPTH,BRANCHES (e.g. ngram:8,4)"),
+    (["--draft", "none", "--tree", "2"], "--tree 2 shapes a draft tree, and --draft none drafts nothing"),
+    (["--plain", "--tree", "2"], "--tree 2 shapes a draft tree, and --plain drafts nothing"),
+    # --draft auto drafts with n-gram lookup on this (non-embedded) target: the shipped head does not fit it
+    (["--tree", "3", "--temperature", "1"], "--tree shapes a model or head draft, and --draft auto drafts with "
+                                            "n-gram lookup on this target"),
+    (["--law", "iid", "--temperature", "1"], "--law shapes a model or head draft"),
+    (["--min-confidence", "0.3"], "--min-confidence shapes a model or head draft"),
+    (["--draft", "ngram:0,4"], "--draft ngram:0,4: DEPTH and BRANCHES must be positive integers"),
+    (["--draft", "ngram:8"], "--draft ngram:8: n-gram lookup takes ngram:DEPTH,BRANCHES"),
+    (["--draft", "ngram:a,b"], "--draft ngram:a,b: n-gram lookup takes ngram:DEPTH,BRANCHES"),
+    (["--draft", "ngram:40,40"], f"--draft ngram:40,40 asks for 1600 draft nodes (DEPTH x BRANCHES); the limit is "
+                                 f"{MAX_TREE_NODES}"),
+])
+def test_tree_shapes_model_and_head_drafts_only(capsys, monkeypatch, tiny_dir, argv, match):  # noqa: F811
+    """--tree meant per-depth widths for a model draft, depth,branches for n-gram lookup and a switch of what
+    --draft auto picks; now it is widths of a model or head draft only, and n-gram lookup is spelled
+    --draft ngram:DEPTH,BRANCHES. Anything else is one line naming the right spelling, before any loading."""
     import treespec.models.loading as loading
 
     def no_loading(*args, **kwargs):
@@ -204,20 +222,26 @@ def test_ngram_tree_needs_depth_and_branches_before_loading(capsys, monkeypatch,
 
     monkeypatch.setattr(loading, "load_model", no_loading)
     monkeypatch.setattr(loading, "load_tokenizer", no_loading)
-    err = assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--max-new-tokens", "2", *argv,
-                         match="treespec: error: CliInputError: for --draft ngram, --tree takes depth,branches")
-    assert len(err.strip().splitlines()) == 1
+    err = assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--max-new-tokens", "2", *argv, match=match)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("treespec: error: CliInputError: "), err
 
 
-def test_auto_ngram_tree_limit_counts_depth_times_branches(capsys, tiny_dir):  # noqa: F811
-    """--draft auto at T > 0 on a non-embedded target is ngram: --tree 32,32 is 32 x 32 = 1024 nodes (the
-    limit, accepted), not a static tree of 32 + 1024; --tree 40,40 is refused as 1600 nodes."""
-    code, out, err = run_cli(capsys, "w1 w2 w1", "--target", tiny_dir, "--temperature", "1", "--tree", "32,32",
+def test_ngram_spelling_sets_depth_and_branches(capsys, tiny_dir):  # noqa: F811
+    """--draft ngram:32,32 is 32 x 32 = 1024 nodes (the limit, accepted), branches 32 of depth 32."""
+    from treespec.drafters import LOOKUP, MAX_NGRAM_NODES, build_drafter, ngram_config
+
+    assert MAX_NGRAM_NODES == MAX_TREE_NODES
+    code, out, err = run_cli(capsys, "w1 w2 w1", "--target", tiny_dir, "--temperature", "1", "--draft", "ngram:32,32",
                              "--max-new-tokens", "2", "--threads", "1", "--json")
     assert code == 0, err
     assert json.loads(out)["statistics"]["method"] == "NgramDrafter"
-    assert_refused(capsys, "w1 w2", "--target", tiny_dir, "--temperature", "1", "--tree", "40,40",
-                   match=f"asks for 1600 draft nodes; the limit is {MAX_TREE_NODES}")
+    config = build_drafter("ngram:8,4", None).config
+    assert (config.depth, config.branches, config.max_nodes, config.adaptive) == (8, 4, 32, False)
+    assert build_drafter("ngram", None).config == LOOKUP == ngram_config("ngram")  # the measured adaptive default
+    with pytest.raises(ValueError, match="n-gram lookup takes its shape in its name: ngram:DEPTH,BRANCHES"):
+        from treespec.drafters import DraftOptions
+
+        build_drafter("ngram", None, DraftOptions(tree=(8, 4)))
 
 
 class _LargestAllocation(torch.overrides.TorchFunctionMode):
@@ -297,6 +321,11 @@ def test_draft_auto_is_the_best_measured_drafter_per_temperature_and_dtype():
     assert resolved("--temperature", "0.7", "--dtype", "float32", "--tree", "2,1") == "head"  # a tree asked for
     assert resolved("--temperature", "0.7", "--dtype", "float32", "--min-confidence", "0.2") == "head"
     assert resolved("--temperature", "0.7", "--dtype", "float32", "--law", "without_replacement") == "head"
+    # --tree shapes the head of what auto picks: lookup+head keeps its lookup at T=0 in bf16 (it meant n-gram
+    # lookup before); where auto picks n-gram lookup (float32, T=0), a shaping option asks for the shipped head
+    assert resolved("--dtype", "bfloat16", "--tree", "2,1") == "lookup+head"
+    assert resolved("--dtype", "float32", "--tree", "8,4") == "head"
+    assert resolved("--dtype", "float32", "--law", "iid") == "head"
     args = build_parser().parse_args(["generate", "x", "--temperature", "1"])  # dtype auto: the run's own dtype wins
     assert _resolved_draft(args, torch.bfloat16) == "head" and _resolved_draft(args, torch.float32) == "none"
     args = build_parser().parse_args(["generate", "x"])
@@ -481,7 +510,8 @@ def test_hub_probe_times_out(monkeypatch):
 
 def _treespec_lines(err: str) -> list[str]:
     """The lines treespec printed (transformers may draw a progress bar while a model loads)."""
-    return [line for line in err.splitlines() if line.startswith("treespec")]
+    return [line for line in err.splitlines()
+            if line.startswith("treespec") and not line.startswith("treespec: loading")]
 
 
 def _interrupting_generate(monkeypatch, after: int = 3) -> None:
@@ -490,17 +520,17 @@ def _interrupting_generate(monkeypatch, after: int = 3) -> None:
 
     real = cli.generate
 
-    def generate(*args, callback=None, **kwargs):
+    def generate(*args, on_tokens=None, **kwargs):
         seen = []
 
         def step(new_ids):
-            if callback is not None:
-                callback(new_ids)
+            if on_tokens is not None:
+                on_tokens(new_ids)
             seen.extend(new_ids)
             if len(seen) >= after:
                 raise KeyboardInterrupt
 
-        return real(*args, callback=step, **kwargs)
+        return real(*args, on_tokens=step, **kwargs)
 
     monkeypatch.setattr(cli, "generate", generate)
 

