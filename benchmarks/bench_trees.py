@@ -45,7 +45,6 @@ sys.path.insert(0, str(ROOT))
 from treespec.calibration import measure_acceptance_vector  # noqa: E402
 from treespec.distill.inputs import read_prompt_texts  # noqa: E402
 from treespec.drafters import build_tree_drafter  # noqa: E402
-from treespec.cli import _target_runner  # noqa: E402
 from treespec.drafting.head import EagleHead  # noqa: E402
 from treespec.drafting.subset_head import SubsetHead  # noqa: E402
 from treespec.files import atomic_write_text  # noqa: E402
@@ -436,7 +435,12 @@ def main(argv=None) -> int:
     rows = (load_prompts(args.per_subtask) if args.eval_prompts == "specbench"
             else held_out_eval_rows(args.per_subtask, args.calib_prompts))
     target, draft, vocab, encode, target_name, draft_name = load_models(args)
-    runner = _target_runner(target, args.runner)  # one runner for plain decoding and every builder
+    from treespec.models.fast import choose_runner
+
+    try:  # one runner for plain decoding and every builder
+        runner = choose_runner(target, args.runner)
+    except ValueError as err:
+        ap.error(str(err))
     builders = choose_builders(args, draft)
     prompts_ids = [encode(r["prompt"]) for r in rows]
     accs, acc_source = sequoia_rows(args, target, draft, encode, temps, builders)

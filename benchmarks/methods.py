@@ -364,10 +364,10 @@ class Targets:
         return self._made[key]
 
     def runner(self):
-        from treespec.cli import _target_runner
+        from treespec.models.fast import choose_runner
 
         # one runner for every treespec row (it resets per request)
-        return self._once("runner", lambda: _target_runner(self.model, self.options.runner))
+        return self._once("runner", lambda: choose_runner(self.model, self.options.runner))
 
     def int4(self):
         from treespec.models.fast import make_runner

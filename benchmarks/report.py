@@ -125,12 +125,11 @@ def top_p_note(settings: dict) -> str:
 
 def cli_default_method(dtype: str, temperature: float) -> str:
     """The row that is ``treespec generate --draft auto`` on the embedded target at ``dtype`` and
-    ``temperature``, read from the CLI itself (so a change of default changes the paired column)."""
-    from treespec.cli import _resolved_draft, build_parser
+    ``temperature``, read from the registry's measured table (so a change of default changes the paired column)."""
+    from treespec.drafters import default_draft
 
     rows = {"ngram": "ts_ngram", "head": "ts_head", "lookup+head": "ts_lookup_head", "none": "ts_plain"}
-    args = build_parser().parse_args(["generate", "x", "--temperature", f"{temperature:g}", "--target", "embedded"])
-    draft = _resolved_draft(args, getattr(torch, dtype))
+    draft = default_draft("embedded", getattr(torch, dtype), temperature)
     return rows.get(draft, draft)
 
 

@@ -479,18 +479,13 @@ def _guarantee(dtype: torch.dtype, temperature: float, plain: bool, runner: str 
 
 
 def _target_runner(target, choice: str, quantize: str = "none") -> ModelRunner:
-    """The target's runner for ``--runner`` and ``--quantize`` (``fast`` and a quantisation refuse a model
-    the fast path does not cover)."""
-    from .models.fast import fast_supported, make_runner
+    """The target's runner for ``--runner`` and ``--quantize`` (:func:`~treespec.models.fast.choose_runner`)."""
+    from .models.fast import choose_runner
 
-    reason = fast_supported(target)
-    if quantize != "none":
-        if reason is not None:
-            raise CliInputError(f"--quantize {quantize}: {reason}")
-        return make_runner(target, quantize=quantize)
-    if choice == "fast" and reason is not None:
-        raise CliInputError(f"--runner fast: {reason}; use --runner eager or auto")
-    return make_runner(target, fast=choice != "eager")
+    try:
+        return choose_runner(target, choice, quantize)
+    except ValueError as err:
+        raise CliInputError(str(err)) from None
 
 
 def _runner_name(runner) -> str:

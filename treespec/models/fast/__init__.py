@@ -32,4 +32,18 @@ def make_runner(model, fast: bool = False, quantize: str | None = None) -> Model
     return ModelRunner(model)
 
 
-__all__ = ["QUANTIZE_MODES", "FastGemmaRunner", "fast_supported", "make_runner"]
+def choose_runner(model, choice: str = "auto", quantize: str = "none") -> ModelRunner:
+    """The target's runner for a ``--runner`` choice (``auto``: fast where it covers the model, ``fast``, ``eager``)
+    and a ``--quantize`` mode; ``fast`` and a quantisation refuse a model the fast path does not cover
+    (ValueError naming the reason)."""
+    reason = fast_supported(model)
+    if quantize != "none":
+        if reason is not None:
+            raise ValueError(f"--quantize {quantize}: {reason}")
+        return make_runner(model, quantize=quantize)
+    if choice == "fast" and reason is not None:
+        raise ValueError(f"--runner fast: {reason}; use --runner eager or auto")
+    return make_runner(model, fast=choice != "eager")
+
+
+__all__ = ["QUANTIZE_MODES", "FastGemmaRunner", "choose_runner", "fast_supported", "make_runner"]
