@@ -135,6 +135,8 @@ def check_variants(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for v in args.variant or []:
         if len(v) not in (5, 6):
             ap.error(f"--variant takes NAME DRAFT TREE CONF LAW [QUANTIZE] (5 or 6 values); got {len(v)}: {' '.join(v)}")
+        if v[1] == "ngram" and v[2] != "-":
+            ap.error(f"--variant {v[0]}: n-gram lookup takes its shape in its name: DRAFT ngram:{v[2]} with TREE '-'")
         if len(v) == 6 and v[5] not in ("-", "none", *QUANTIZE_MODES):
             ap.error(f"--variant {v[0]}: QUANTIZE must be '-', 'none' or one of {', '.join(QUANTIZE_MODES)} (as "
                      f"--draft-quantize); got {v[5]!r}")

@@ -73,6 +73,9 @@ def measure_acceptance_vector(target, draft, prompts: list[list[int]], sampling:
         raise ValueError(f"score_from has {len(score_from)} entries for {len(prompts)} prompts")
     law = "deterministic" if sampling.greedy else law
     name = resolve_verifier("auto" if sampling.greedy else verifier or "auto", law, sampling)
+    if name not in VERIFIER_RULES:
+        raise ValueError(f"verifier {name!r} judges whole chains, not one node's drafts: the acceptance vector "
+                         f"needs a node-rule verifier ({', '.join(sorted(VERIFIER_RULES))})")
     setup = _Scoring(law=law, rule=VERIFIER_RULES[name], sampling=sampling, width=width, chunk=chunk,
                      vocab=target.get_output_embeddings().weight.shape[0],
                      is_head=isinstance(draft, SubsetHead),  # drafts from the target's hidden states

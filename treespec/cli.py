@@ -388,9 +388,9 @@ def _sampling_arguments(g: argparse.ArgumentParser) -> None:
                    help="nucleus sampling: the most probable tokens up to this total probability; 1 = no filter "
                         "(default: %(default)s)")
     g.add_argument("--seed", type=int, default=None,
-                   help="sampling seed, to reproduce a run (default: a fresh random seed per run, reported in the "
-                        "closing line and as --json's \"seed\"; pass it back to repeat the run). Temperature 0 "
-                        "draws nothing: the seed is recorded but changes nothing")
+                   help="sampling seed, to reproduce a run (default: a fresh random seed per run, reported as "
+                        "--json's \"seed\" and, at temperature > 0, in the closing line; pass it back to repeat the "
+                        "run). Temperature 0 draws nothing: the seed is recorded but changes nothing")
     g.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
 
 

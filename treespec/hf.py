@@ -230,7 +230,7 @@ def generate_hf(model, tokenizer, inputs, generation_config=None, streamer=None,
                              f"tokens): set max_new_tokens")
     stops = config.stop_strings
     stops = StopStrings(tokenizer, [stops] if isinstance(stops, str) else list(stops), prompt) if stops else None
-    if seed is None:
+    if seed is None and not sampling.greedy:
         seed = int(torch.randint(0, 2**63 - 1, ()))
     dtype = next(model.parameters()).dtype
     target = target_word(model)

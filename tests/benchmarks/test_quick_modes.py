@@ -61,6 +61,7 @@ def test_run_quick(tmp_path, dtype):
     (["q4", "head", "2,1", "0.2", "iid", "int3"], "QUANTIZE must be '-', 'none' or one of int4"),
     (["q4", "head", "2,1", "0.2", "iid", "int4"], "q4: a 4-bit draft head runs in bfloat16 only; the run's dtypes "
                                                   "are float32"),
+    (["ng", "ngram", "8,4", "-", "-"], "ng: n-gram lookup takes its shape in its name: DRAFT ngram:8,4 with TREE '-'"),
 ])
 def test_run_refuses_a_malformed_variant(capsys, variant, match):
     from benchmarks import run

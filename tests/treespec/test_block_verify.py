@@ -255,3 +255,40 @@ def test_exact_law_with_a_draft_length_set_by_the_drafts_confidence(seed, thresh
     assert len(lengths) > 1  # the rule did cut some chains short
     err = max(abs(mass - _joint(target, seq)) for seq, mass in out.items())
     assert err < 1e-12, err
+
+
+def test_a_row_without_finite_mass_is_named():
+    """A NaN target row read by the block is the verifiers' one named error, never an IndexError."""
+    tree, p, q = _fixed_chain()
+    for bad in (float("nan"), float("inf")):
+        broken = p.clone()
+        broken[1] = bad
+        with pytest.raises(ValueError, match="finite positive mass"):
+            VERIFIERS["block"](tree, broken, q, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_law_when_the_drafter_stops_on_its_drawn_tokens_probability(seed):
+    """The shipped head's rule: a drawn token gets a child only if q gave it at least ``c``."""
+    g_max, c = 3, 0.4
+    target, draft = _tables(seed, g_max, False)
+
+    def chains(xs, weight):
+        if len(xs) == g_max or (xs and draft[xs[:-1]][xs[-1]] < c):
+            yield xs, weight
+            return
+        for x in range(V):
+            yield from chains(xs + (x,), weight * draft[xs][x])
+
+    out = {s: 0.0 for s in itertools.product(range(V), repeat=g_max + 1)}
+    for xs, weight in chains((), 1.0):
+        tree, p, q = _chain(xs, target, draft)
+        law = block_outcome_law(tree, p, q).numpy()
+        for tau in range(len(xs) + 1):
+            for y in range(V):
+                emitted = xs[:tau] + (y,)
+                for rest in itertools.product(range(V), repeat=g_max - tau):
+                    seq = emitted + rest
+                    out[seq] += weight * law[tau, y] * _joint(target, seq) / _joint(target, emitted)
+    err = max(abs(mass - _joint(target, seq)) for seq, mass in out.items())
+    assert err < 1e-12, err

@@ -35,7 +35,7 @@ def test_shared_drafter_in_another_thread_is_refused(models):
         inside.set()
         release.wait(10)
 
-    first = threading.Thread(target=lambda: generate(target, PROMPTS[0], drafter, CONFIG, callback=hold))
+    first = threading.Thread(target=lambda: generate(target, PROMPTS[0], drafter, CONFIG, on_tokens=hold))
     first.start()
     assert inside.wait(10)
 
@@ -87,7 +87,7 @@ def test_shared_runner_in_another_thread_is_refused(models):
         inside.set()
         release.wait(10)
 
-    first = threading.Thread(target=lambda: generate(runner, PROMPTS[0], None, CONFIG, callback=hold))
+    first = threading.Thread(target=lambda: generate(runner, PROMPTS[0], None, CONFIG, on_tokens=hold))
     first.start()
     assert inside.wait(10)
     try:

@@ -23,8 +23,8 @@ def _fresh(code: str) -> str:
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"]])
 def test_help_imports_no_torch(argv):
-    """`python -m treespec [generate] --help` printed its help after importing torch and transformers (10 s and
-    more); the parser is now built from torch-free constants."""
+    """`python -m treespec [generate] --help` imports neither torch nor transformers: the parser is built from
+    torch-free constants, so help comes at once."""
     out = _fresh(f"""
 import io, runpy, sys, contextlib
 sys.argv = ["treespec", *{argv!r}]
@@ -96,7 +96,7 @@ def _generate_help() -> str:
 
 def test_help_states_every_default():
     """Every option that takes a value says its default in its help (--seed, --max-new-tokens, --top-k,
-    --top-p, --temperature, --threads and --verifier said none; --verifier had no help at all)."""
+    --top-p, --temperature, --threads and --verifier included)."""
     from treespec.cli import build_parser
 
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]

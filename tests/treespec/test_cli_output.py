@@ -75,8 +75,8 @@ def test_draft_words():
 
 
 def test_runs_without_seed_draw_a_recorded_seed_that_reproduces_them(capsys, tiny_dir):  # noqa: F811
-    """--seed defaulted to 0: every sampled run without --seed gave the same text. Now each run draws a fresh
-    seed, records it (--json's "seed", the closing line), and --seed with it reproduces the token ids."""
+    """Each sampled run without --seed draws a fresh seed and records it (--json's "seed", the closing line);
+    --seed with it reproduces the token ids."""
     args = ("--temperature", "1", "--draft", "ngram", "--json")
     first, second = (json.loads(_run(capsys, tiny_dir, *args)[0]) for _ in range(2))
     assert isinstance(first["seed"], int) and isinstance(second["seed"], int)

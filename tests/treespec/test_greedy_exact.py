@@ -76,7 +76,7 @@ def test_caches_after_generation_equal_fresh_prefill(temperature):
 
     target = ModelRunner(tiny_model("gemma3", 64, seed=0, logit_scale=8))
     drafter = ShapeDrafter(tiny_model("gemma3", 64, seed=1, logit_scale=8), TreeShape.widths((2, 2, 1)), "iid")
-    cfg = GenerationConfig(max_new_tokens=150, sampling=SamplingConfig(temperature), stop_on_eos=False)
+    cfg = GenerationConfig(max_new_tokens=150, sampling=SamplingConfig(temperature), stop_on_eos=False, seed=0)
     out = generate(target, PROMPTS[0], drafter, cfg)
     assert out.target_calls >= 50
     seq = PROMPTS[0] + out.token_ids

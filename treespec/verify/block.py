@@ -99,12 +99,14 @@ def verify_block(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch
                        torch.ones((), dtype=torch.bool, device=tree.device),
                        torch.ones((), dtype=torch.bool, device=tree.device), None, target_probs.shape[1])
     stop, residual, row_of = _block_laws(tree, target_probs, draft_probs)
-    tau = sample_categorical(stop, generator)  # [] kept drafts
+    finite = torch.isfinite(stop).all() & (stop.sum() > 0)
+    stop = torch.where(finite, stop, torch.ones_like(stop))  # a non-finite law is reported by _result below
+    tau = sample_categorical(stop, generator).clamp(0, g)  # [] kept drafts
     kept_all = tau == g
     own = target_probs[row_of[tau].clamp(min=0)]  # [V] the bonus row (a leaf without a row: never emitted)
     dist = torch.where(kept_all, own, residual[tau.clamp(max=g - 1)])  # [V]
     mass = dist.sum()
-    mass_ok = torch.isfinite(stop).all() & torch.isfinite(mass) & (mass > 0)
+    mass_ok = finite & torch.isfinite(mass) & (mass > 0)
     return _result(tree, tau, sample_categorical(dist, generator), kept_all, row_of[tau] >= 0, mass_ok,
                    target_probs.shape[1])
 
