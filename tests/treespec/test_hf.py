@@ -331,3 +331,48 @@ def test_readme_hf_snippet_gives_model_generates_tokens(capsys):
     assert scope["out"].sequences.tolist() == ref.tolist()
     assert scope["out"].text in streamed
     assert target_word(scope["model"]) == "embedded"  # the drafter tables' embedded entries apply to it
+
+
+def _hf_law(model, prompt_ids: list[int], temperature: float, top_k: int, top_p: float) -> dict:
+    """P(x1, x2 | prompt) with transformers' own warpers (temperature, then top-k, then top-p, as generate)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k),
+                                TopPLogitsWarper(top_p)])
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(t).logits[:, -1].double()
+        return torch.softmax(warp(t, logits), dim=-1)[0]  # [V]
+
+    law, first = {}, probs(prompt_ids)
+    for a in torch.nonzero(first).flatten().tolist():
+        second = probs(prompt_ids + [a])
+        for b in torch.nonzero(second).flatten().tolist():
+            law[(a, b)] = float(first[a] * second[b])
+    return law
+
+
+@pytest.mark.stats
+@pytest.mark.parametrize("top_k, passes", [(4, True), (50, False)])
+def test_sampled_output_follows_transformers_law(model, tok, top_k, passes):
+    """do_sample=True with temperature 0.7, top-k 4, top-p 0.9 and n-gram drafts: the first two tokens follow the
+    law transformers' own warpers give (G test, seeds 0..1499, N = 1500, alpha = 1e-3). Twin: a run whose top-k
+    is transformers' default 50 (a mapping that lost the user's top-k) against the top-k 4 law must fail."""
+    from stats_helpers import g_test_law
+
+    inputs = tok("the stop", return_tensors="pt")
+    law = _hf_law(model, inputs["input_ids"][0].tolist(), 0.7, 4, 0.9)
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=top_k, top_p=0.9, max_new_tokens=2)
+    counts: dict = {}
+    n = 1500
+    for seed in range(n):
+        new = generate_hf(model, tok, inputs, config, draft="ngram", seed=seed).result.token_ids
+        counts[tuple(new)] = counts.get(tuple(new), 0) + 1
+    if passes:
+        assert g_test_law(counts, law, n) > 1e-3
+    else:
+        stray = sum(c for cell, c in counts.items() if cell not in law)
+        pval = 0.0 if stray else g_test_law(counts, law, n)
+        assert pval < 1e-6
