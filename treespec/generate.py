@@ -217,7 +217,8 @@ def generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | tor
     """See :func:`_generate`. A drafter holds per-request state (its KV cache, its draft history) and
     so does a :class:`~treespec.models.runner.ModelRunner` (the target's KV cache): each serves one request at a time; using
     one from two calls at once raises :class:`ConcurrentDrafterError` (give each thread its own
-    drafter and runner; a bare model passed as ``target`` gets a fresh runner per call)."""
+    drafter and runner; a bare model passed as ``target`` gets a fresh runner per call). ``prompt_ids``: a list
+    of ints, a 1-D integer tensor or array ``[N]``, or a batch of one ``[1, N]`` (:func:`prompt_list`)."""
     owned = [obj for obj in (drafter, None if isinstance(target, torch.nn.Module) else target) if obj is not None]
     me = threading.get_ident()
     with _IN_USE_LOCK:
@@ -328,7 +329,8 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
     ----------
     target : the target causal LM, or a target runner (a :class:`ModelRunner` around one, or a
         :class:`~treespec.models.llama_cpp.LlamaCppRunner` over a GGUF model).
-    prompt_ids : the prompt's token ids (at least one).
+    prompt_ids : the prompt's token ids (at least one): a list of ints, a 1-D integer tensor or numpy
+        array ``[N]``, or a batch of one ``[1, N]`` (see :func:`prompt_list`).
     drafter : proposes a token tree each step; None decodes one token per target pass.
     config : generation options.
     tokenizer : if given, the result carries the decoded text.

@@ -67,7 +67,10 @@ def first_argmax(scores: torch.Tensor, dim: int = -1, keepdim: bool = False) -> 
     vocabulary: the greedy verifier on a 16-node tree of Gemma-3-270M's 262,144 columns went from about
     5.8 to 3.0 ms (benchmarks/results/profile/2026-11-26-xeon-amx-argmax-ab). Tested equal to ``argmax``
     on ties, in float32 and bf16. A NaN counts as the maximum in both (the model runners reject NaN
-    logits before any of this runs)."""
+    logits before any of this runs).
+
+    scores of any shape (``[..., V]`` with the default ``dim``) -> int64 ``[...]`` (``[..., 1]`` with
+    ``keepdim``)."""
     return torch.max(scores, dim=dim, keepdim=keepdim).indices
 
 
@@ -78,7 +81,8 @@ class NonFiniteLogitsError(ValueError):
 def check_finite(logits: torch.Tensor, who: str) -> None:
     """Raise :class:`NonFiniteLogitsError` if a row of ``logits`` has NaN or +inf, or is all -inf.
 
-    One reduction (the row maximum propagates NaN) and one host sync.
+    One reduction (the row maximum propagates NaN) and one host sync. logits ``[..., V]`` (rows along the
+    last dimension).
     """
     row_max = logits.amax(dim=-1)
     if not bool(torch.isfinite(row_max).all()):
@@ -137,6 +141,8 @@ def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     lowest ids that fill ``K`` (the stable order). Rows whose nucleus is larger retry with 4k candidates; at the
     whole vocabulary the reference decides. On a 262,144-entry row this replaces a full sort (tens of ms a row
     on a 2-core CPU) by a selection of a few dozen values.
+
+    probs ``[..., V]`` -> bool ``[..., V]`` (the reference's layout and result).
     """
     if probs.dtype not in (torch.float32, torch.float64):  # the margin below is float32's rounding
         probs = probs.float()

@@ -57,9 +57,9 @@ def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
 
 def join_features(layer_outputs: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], last_hidden: torch.Tensor,
                   layers: tuple[int, ...]) -> torch.Tensor:
-    """``[..., (k + 1) * H]`` from the outputs of the decoder layers (``layer_outputs[i]`` = layer ``i``,
-    a sequence or a mapping) and the last hidden state ``[..., H]``; ``last_hidden`` itself when
-    ``layers`` is empty."""
+    """``[..., (k + 1) * H]`` from the outputs of the decoder layers (``layer_outputs[i]`` ``[..., H]`` = layer
+    ``i``, a sequence or a mapping) and the last hidden state ``[..., H]``; ``last_hidden`` itself when
+    ``layers`` is empty (k = ``len(layers)``)."""
     if not layers:
         return last_hidden
     return torch.cat([layer_outputs[i].to(last_hidden.dtype) for i in layers] + [last_hidden], dim=-1)
@@ -67,7 +67,9 @@ def join_features(layer_outputs: Sequence[torch.Tensor] | Mapping[int, torch.Ten
 
 def model_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    layers: tuple[int, ...] = ()) -> torch.Tensor:
-    """Features ``[B, L, (k + 1) * H]`` of a plain (cache-free) forward of a Hugging Face causal LM."""
+    """Features ``[B, L, (k + 1) * H]`` of a plain (cache-free) forward of a Hugging Face causal LM.
+
+    input_ids ``[B, L]``; attention_mask ``[B, L]`` (1 = token, 0 = padding) or None; k = ``len(layers)``."""
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(layers))
     return join_features(hf_layer_outputs(out), out.last_hidden_state, layers)
 

@@ -97,7 +97,8 @@ class CacheBook:
     def inputs(self, tree: TokenTree | None, nodes: torch.Tensor | None, chain: torch.Tensor | None,
                device: torch.device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """:meth:`begin`, then the token ids ``[m + n]`` and positions ``[m + n]`` of one forward: the
-        chain right after the committed prefix, tree nodes at their depth past the root's position."""
+        chain right after the committed prefix, tree nodes at their depth past the root's position.
+        ``chain`` ``[m]`` token ids and ``nodes`` ``[n]`` node indices of ``tree``, each or None."""
         base = self.length
         m, n = self.begin(tree, nodes, chain)
         ids_parts, pos_parts = [], []
@@ -117,7 +118,7 @@ class CacheBook:
         :meth:`begin`, before :meth:`finish`; ``base`` the committed length before the call). The
         committed prefix (and the chain, causally) for everyone; among tree nodes, their ancestors
         (earlier nodes of this tree sit right after the prefix, in ``slots`` order, the new ones at the
-        end)."""
+        end). ``nodes`` ``[n]`` node indices (or None when ``n`` is 0)."""
         visible = torch.zeros(m + n, total, dtype=torch.bool, device=device)
         visible[:, :base] = True
         if m:
@@ -179,7 +180,8 @@ def chain_pieces(chain: torch.Tensor | None, nodes: torch.Tensor | None, rows: t
     """The model calls one forward of ``chain`` then ``nodes`` is made of: ``(chain piece, nodes, rows)``.
 
     The chain (``[m]`` committed tokens) is cut into pieces of at most ``size`` tokens, fed one after
-    the other (each committed, so the next sees it causally); the tree ``nodes`` go with the last piece.
+    the other (each committed, so the next sees it causally); the tree ``nodes`` (``[n]`` node indices,
+    or None) go whole with the last piece.
     ``rows`` (``[R]`` ascending indices into the call's ``m + n`` tokens, or None: every row) become
     each call's own, relative to its first token. A chain of at most ``size`` tokens (or none) is one
     call, exactly as given."""
@@ -202,7 +204,8 @@ def chain_pieces(chain: torch.Tensor | None, nodes: torch.Tensor | None, rows: t
 
 def join_pieces(results: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The results of the calls of :func:`chain_pieces`, rows in input order (``logits`` / ``hidden``
-    ``[m + n, ...]``), as one call would return them."""
+    ``[m + n, ...]``), as one call would return them: each call's ``logits`` ``[R_i, V]`` and ``hidden``
+    ``[R_i, F]`` (F = H, or the features' width) concatenated along rows (``[R, ...]`` with ``rows``)."""
     if len(results) == 1:
         return results[0]
     return {key: torch.cat([r[key] for r in results]) for key in results[0]}
@@ -273,6 +276,8 @@ class DraftRunner(Protocol):
                 *, need_logits: bool | str = True, need_hidden: bool = False) -> dict[str, torch.Tensor]:
         """Append ``chain`` (committed) then tree ``nodes``; ``logits`` ``[n, V]`` of the nodes.
 
+        ``chain`` ``[m]`` token ids, ``nodes`` ``[n]`` node indices of ``tree``, each or None.
+
         ``need_logits="subset"``: a runner that scores only a vocabulary subset (a draft head) may
         return ``logits`` ``[n, |S|]`` with ``vocab_ids`` ``[|S|]`` instead; any other runner returns
         its usual logits (a truthy ``need_logits``)."""
@@ -308,7 +313,7 @@ class TargetRunner(Protocol):
                 feature_layers: tuple[int, ...] = (), rows: torch.Tensor | None = None
                 ) -> dict[str, torch.Tensor]:
         """:meth:`DraftRunner.forward`; ``rows`` ``[R]`` (ascending indices into the call's tokens,
-        chain then nodes): return ``logits`` and ``hidden`` of those rows only (None: every row)."""
+        chain ``[m]`` then nodes ``[n]``): return ``logits`` and ``hidden`` of those rows only (None: every row)."""
 
     def commit(self, nodes: list[int]) -> None: ...
 
@@ -390,7 +395,7 @@ class ModelRunner(HoldsCacheBook):
                 chain: torch.Tensor | None = None, *, need_logits: bool = True,
                 need_hidden: bool = False, feature_layers: tuple[int, ...] = (),
                 rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Append ``chain`` (committed tokens, causal) then tree ``nodes`` to the cache.
+        """Append ``chain`` (``[m]`` committed token ids, causal) then tree ``nodes`` to the cache.
 
         ``nodes`` (``[n]`` node indices, ancestors before descendants, the root among the first
         call's nodes) may only see the committed prefix, the chain and their own ancestors.

@@ -114,7 +114,10 @@ def verify_block(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch
 def block_outcome_law(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """Exact law of (kept drafts ``tau``, next token) for the drafted chain ``tree``: ``[num_nodes, V]``, row
     ``tau`` (node ``tau`` of the chain is the last kept draft); rows sum to P(tau) and the whole to 1. Every row
-    of ``target_probs`` is needed (the bonus row of the leaf included)."""
+    of ``target_probs`` is needed (the bonus row of the leaf included).
+
+    target_probs ``[num_nodes, V]``; draft_probs ``[num_nodes, V]``, row i the law draft i + 1 was drawn from
+    (the leaf's row unused)."""
     _check_chain(tree, draft_probs)
     g = tree.num_nodes - 1
     if g == 0:

@@ -117,6 +117,9 @@ class VerifyResult:
 
 def check_inputs(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                  needs_draft_probs: bool, name: str) -> None:
+    """Raise ``ValueError`` (naming verifier ``name``) unless target_probs is ``[num_nodes, V]`` (or
+    ``[verified nodes, V]``) and, when ``needs_draft_probs`` and the tree has a child, draft_probs is
+    ``[num_nodes, V]`` with the target's V."""
     n = tree.num_nodes
     # every row (the common case) needs no look at the tree: verified_nodes costs a host sync
     if target_probs.ndim != 2 or (target_probs.shape[0] != n
@@ -152,7 +155,13 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
 
 def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                 generator: torch.Generator | None, rule: NodeRule) -> VerifyResult:
-    """Verify ``tree`` with a node rule; see the module docstring."""
+    """Verify ``tree`` with a node rule; see the module docstring.
+
+    target_probs ``[num_nodes, V]`` (or ``[verified nodes, V]``); draft_probs ``[num_nodes, V]`` (row i: the
+    law node i's children were drawn from; only rows of nodes with children are read) or None for a rule
+    that ignores q. ``rule`` is called (once, if a node has children) on p ``[M, V]``, q ``[M, V]`` (or
+    None), child_tokens ``[M, K]`` and child_valid ``[M, K]`` bool.
+    """
     device = target_probs.device
     n = tree.num_nodes
     children = tree.children  # [n, K]
@@ -197,6 +206,8 @@ def verify_tree_greedy(tree: TokenTree, scores: torch.Tensor) -> VerifyResult:
 
     The fast path of :func:`verify_tree` with :func:`treespec.verify.rules.greedy_rule`: no
     ``[M, V]`` work beyond one argmax, no sampling. Tested against the rule-based path.
+
+    scores ``[num_nodes, V]`` (or ``[verified nodes, V]``).
     """
     row_of = target_rows(tree, scores)  # [n]
     best = first_argmax(scores).index_select(0, row_of.clamp(min=0))  # [n] the target's greedy token after each node
@@ -210,7 +221,9 @@ def verify_tree_greedy(tree: TokenTree, scores: torch.Tensor) -> VerifyResult:
 
 def target_rows(tree: TokenTree, target_probs: torch.Tensor) -> torch.Tensor:
     """``[num_nodes]``: the row of ``target_probs`` holding each node's target distribution, -1 for a
-    leaf without one (``target_probs`` over ``tree.verified_nodes``)."""
+    leaf without one (``target_probs`` over ``tree.verified_nodes``).
+
+    target_probs ``[num_nodes, V]`` (or ``[verified nodes, V]``); only its row count is read."""
     n = tree.num_nodes
     if target_probs.shape[0] == n:
         return torch.arange(n, device=tree.device)
@@ -250,6 +263,9 @@ def _result(tree: TokenTree, cur: torch.Tensor, token: torch.Tensor, is_bonus: t
 def output_law(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
                child_valid: torch.Tensor, rule: NodeRule) -> torch.Tensor:
     """Exact law of one node's output token given its drafts: ``[M, V]``.
+
+    p ``[M, V]``, q ``[M, V]`` (or None for a rule that ignores it), child_tokens ``[M, K]`` int64 (any id
+    in ``[0, V)`` where invalid), child_valid ``[M, K]`` bool.
 
     Used by the exact-law tests and the acceptance analysis: it runs the very rule that
     :func:`verify_tree` samples from.

@@ -45,6 +45,11 @@ def restricted_draft(q: torch.Tensor, fixed_mask: torch.Tensor) -> torch.Tensor:
 
 def greedy_draft_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
                       child_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy-draft node rule (see the module docstring).
+
+    p ``[M, V]``, q ``[M, V]`` (required), child_tokens ``[M, K]`` (each row's valid children in its first
+    columns, the random child the last of them), child_valid ``[M, K]`` bool -> choice_probs ``[M, K + 1]``,
+    residual ``[M, V]``."""
     if q is None:
         raise ValueError("greedy_draft needs draft_probs (the law the random child was drawn from)")
     m, k = child_tokens.shape

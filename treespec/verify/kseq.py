@@ -63,7 +63,10 @@ def solve_rho(p: torch.Tensor, q: torch.Tensor, n: torch.Tensor,
 
 def kseq_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
               child_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K-SEQ: accept the first child with ``U < p(x) / (rho* q(x))``, else sample the leftover."""
+    """K-SEQ: accept the first child with ``U < p(x) / (rho* q(x))``, else sample the leftover.
+
+    p ``[M, V]``, q ``[M, V]`` (required), child_tokens ``[M, K]``, child_valid ``[M, K]`` bool -> choice_probs
+    ``[M, K + 1]``, residual ``[M, V]``."""
     if q is None:
         raise ValueError("kseq needs draft_probs (the law the children were drawn from)")
     m, k = child_tokens.shape

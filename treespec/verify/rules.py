@@ -51,6 +51,9 @@ def rejection_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.
     where some row of q is positive, plus one scale ``c`` per row (:func:`_rejection_on_support`),
     and the full ``[M, V]`` residual is formed once at the end; ``dense=True`` (or a support above
     half the vocabulary) runs every rank over all ``V`` columns, the reference it is tested against.
+
+    p ``[M, V]``, q ``[M, V]`` (required), child_tokens ``[M, K]``, child_valid ``[M, K]`` bool ->
+    choice_probs ``[M, K + 1]`` and the residual ``[M, V]`` (a :class:`FactoredResidual` on the support path).
     """
     assert q is not None
     if not dense and q.shape[0] > 0:
@@ -151,6 +154,9 @@ def deterministic_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: to
     distinct earlier candidates (a repeated candidate has ``r_i(x_i) = 0``). Lossless whatever rule
     picked the candidates. Only the candidates' probabilities are read per rank (remaining masses in
     float64 from one row sum); the residual, p without every candidate, is formed once.
+
+    p ``[M, V]``, q ignored (None), child_tokens ``[M, K]``, child_valid ``[M, K]`` bool -> choice_probs
+    ``[M, K + 1]``, residual ``[M, V]``.
     """
     m, k = child_tokens.shape
     total = row_mass(p)  # [M, 1] float64
@@ -173,6 +179,8 @@ def deterministic_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: to
 
 def greedy_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
                 child_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature 0: accept the first child equal to argmax p, else emit argmax p."""
+    """Temperature 0: accept the first child equal to argmax p, else emit argmax p.
+
+    p ``[M, V]``, q ignored (None), child_tokens ``[M, K]``, child_valid ``[M, K]`` bool."""
     onehot = torch.zeros_like(p).scatter_(1, p.argmax(dim=1, keepdim=True), 1.0)
     return deterministic_rule(onehot, None, child_tokens, child_valid)

@@ -42,7 +42,8 @@ from .rules import _normalise, _ratio
 
 
 def hub_and_second_law(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hub token ``a`` ``[M, 1]`` and ``qbar`` ``[M, V]`` (q without a, renormalised; uniform if empty).
+    """The hub token ``a`` ``[M, 1]`` and ``qbar`` ``[M, V]`` (q without a, renormalised; uniform if empty)
+    of q ``[M, V]``.
 
     Shared with the drafter so that the law sampled from and the law verified against agree.
     """
@@ -55,6 +56,10 @@ def hub_and_second_law(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def spechub_rule(p: torch.Tensor, q: torch.Tensor | None, child_tokens: torch.Tensor,
                  child_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SpecHub node rule (see the module docstring).
+
+    p ``[M, V]``, q ``[M, V]`` (required), child_tokens ``[M, K]`` (a node's children in columns 0 and 1,
+    later columns padding), child_valid ``[M, K]`` bool -> choice_probs ``[M, K + 1]``, residual ``[M, V]``."""
     if q is None:
         raise ValueError("spechub needs draft_probs (the law the pair was drawn from)")
     m, k = child_tokens.shape  # columns past the second must be padding (rows with > 2 valid

@@ -83,6 +83,8 @@ def verifier(name: str) -> Verifier:
 
     def verify(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> VerifyResult:
+        """target_probs ``[num_nodes, V]`` (or ``[verified nodes, V]``; any scores for ``greedy``);
+        draft_probs ``[num_nodes, V]``, or None for a verifier that does not read q."""
         if spec.laws is not None:
             check_law(tree, spec.laws, name)
         if spec.max_children is not None and tree.max_children > spec.max_children[0]:
