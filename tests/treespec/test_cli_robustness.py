@@ -502,7 +502,11 @@ def test_hub_probe_times_out(monkeypatch):
 
     from treespec import cli
 
-    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: time.sleep(30))
+    def hang(*args, **kwargs):  # a connection that never answers (then fails, as a real one would)
+        time.sleep(30)
+        raise OSError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", hang)
     start = time.perf_counter()
     assert "no answer" in cli._hub_reachable(timeout=0.5)
     assert time.perf_counter() - start < 2

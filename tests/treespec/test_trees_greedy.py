@@ -68,7 +68,7 @@ def test_sampling_combinations_run(builder, law, verifier):
     target = tiny_model("llama", 16, seed=0, logit_scale=4)
     draft = tiny_model("llama", 16, seed=1, logit_scale=4)
     if builder == "shape":
-        shape = TreeShape.chain(3) if verifier == "single" else (
+        shape = TreeShape.chain(3) if verifier in ("single", "block") else (  # chain verifiers
             TreeShape.widths((2, 2)) if law == "spechub" else TreeShape.from_paths([[0], [1], [2], [0, 0], [1, 0]]))
         make = lambda: ShapeDrafter(draft, shape, law)  # noqa: E731
     else:
