@@ -225,16 +225,12 @@ def test_refuses_trees_and_other_laws():
         VERIFIERS["block"](TokenTree.chain(0, [1, 2], "iid"), p, None)
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("threshold", [0.5, 0.7])
-def test_exact_law_with_a_draft_length_set_by_the_drafts_confidence(seed, threshold):
-    """The drafter stops once its own top probability falls below ``threshold`` (the shipped head's
-    min_confidence rule reads only q): chains of 1..3 drafts, the output still the target's law."""
-    g_max = 3
-    target, draft = _tables(seed, g_max, False)
+def _stopped_chain_error(target: dict, draft: dict, g_max: int, stops) -> tuple[float, set[int]]:
+    """Largest error against the target's joint law of g_max + 1 tokens when the drafter ends a chain once
+    ``stops(xs)`` (a rule reading the drafted prefix and q only); also the chain lengths that occurred."""
 
     def chains(xs, weight):
-        if len(xs) == g_max or (xs and draft[xs].max() < threshold):
+        if len(xs) == g_max or (xs and stops(xs)):
             yield xs, weight
             return
         for x in range(V):
@@ -252,8 +248,26 @@ def test_exact_law_with_a_draft_length_set_by_the_drafts_confidence(seed, thresh
                 for rest in itertools.product(range(V), repeat=g_max - tau):
                     seq = emitted + rest
                     out[seq] += weight * law[tau, y] * _joint(target, seq) / _joint(target, emitted)
+    return max(abs(mass - _joint(target, seq)) for seq, mass in out.items()), lengths
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("threshold", [0.5, 0.7])
+def test_exact_law_with_a_draft_length_set_by_the_drafts_confidence(seed, threshold):
+    """The drafter stops once its own top probability falls below ``threshold`` (a rule reading only q):
+    chains of 1..3 drafts, the output still the target's law."""
+    target, draft = _tables(seed, 3, False)
+    err, lengths = _stopped_chain_error(target, draft, 3, lambda xs: draft[xs].max() < threshold)
     assert len(lengths) > 1  # the rule did cut some chains short
-    err = max(abs(mass - _joint(target, seq)) for seq, mass in out.items())
+    assert err < 1e-12, err
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_law_when_the_drafter_stops_on_its_drawn_tokens_probability(seed):
+    """The shipped head's rule: a drawn token gets a child only if q gave it at least c = 0.4."""
+    target, draft = _tables(seed, 3, False)
+    err, lengths = _stopped_chain_error(target, draft, 3, lambda xs: draft[xs[:-1]][xs[-1]] < 0.4)
+    assert len(lengths) > 1
     assert err < 1e-12, err
 
 
@@ -265,30 +279,3 @@ def test_a_row_without_finite_mass_is_named():
         broken[1] = bad
         with pytest.raises(ValueError, match="finite positive mass"):
             VERIFIERS["block"](tree, broken, q, torch.Generator().manual_seed(0))
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_exact_law_when_the_drafter_stops_on_its_drawn_tokens_probability(seed):
-    """The shipped head's rule: a drawn token gets a child only if q gave it at least ``c``."""
-    g_max, c = 3, 0.4
-    target, draft = _tables(seed, g_max, False)
-
-    def chains(xs, weight):
-        if len(xs) == g_max or (xs and draft[xs[:-1]][xs[-1]] < c):
-            yield xs, weight
-            return
-        for x in range(V):
-            yield from chains(xs + (x,), weight * draft[xs][x])
-
-    out = {s: 0.0 for s in itertools.product(range(V), repeat=g_max + 1)}
-    for xs, weight in chains((), 1.0):
-        tree, p, q = _chain(xs, target, draft)
-        law = block_outcome_law(tree, p, q).numpy()
-        for tau in range(len(xs) + 1):
-            for y in range(V):
-                emitted = xs[:tau] + (y,)
-                for rest in itertools.product(range(V), repeat=g_max - tau):
-                    seq = emitted + rest
-                    out[seq] += weight * law[tau, y] * _joint(target, seq) / _joint(target, emitted)
-    err = max(abs(mass - _joint(target, seq)) for seq, mass in out.items())
-    assert err < 1e-12, err
