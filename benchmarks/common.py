@@ -184,11 +184,9 @@ def machine_info() -> dict:
 
 
 def _repo_relative(path: str, repo: Path = REPO) -> str:
-    """``path`` relative to the repository when it lies inside it (results carry no machine's folders)."""
-    try:
-        return str(Path(os.path.abspath(path)).relative_to(repo.resolve())) or "."
-    except ValueError:
-        return path
+    """``path`` relative to the repository (results carry no machine's folders): inside it as ``a/b``, outside it
+    (a worktree run with the main checkout's interpreter, say) as ``../main/.venv/bin/python``."""
+    return os.path.relpath(os.path.abspath(path), repo.resolve())
 
 
 def command() -> dict:

@@ -669,3 +669,14 @@ def test_the_report_places_round_parts_and_host_reference_under_their_block():
     assert "| ts_head | 32 | 5.0 | 31.2 | 0.0 | 0.0 | 1.50 | 2.00 |" in t1
     parts = t1.split("Where a round goes")[1]
     assert parts.index("| ts_plain |") < parts.index("| ts_head |")  # the order of the tables above
+
+
+def test_paths_outside_the_repository_are_recorded_relative_to_it(tmp_path):
+    """A run from a worktree with another checkout's interpreter records ``../other/...``, never an absolute path."""
+    from benchmarks.common import _repo_relative
+
+    repo = tmp_path / "wt"
+    repo.mkdir()
+    assert _repo_relative(str(tmp_path / "main" / ".venv" / "bin" / "python"), repo) == "../main/.venv/bin/python"
+    assert _repo_relative(str(repo / "benchmarks"), repo) == "benchmarks"
+    assert _repo_relative(str(repo), repo) == "."
