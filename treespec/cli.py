@@ -16,7 +16,6 @@ import importlib
 import json
 import math
 import os
-import secrets
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -136,11 +135,6 @@ def _is_ngram(draft: str) -> bool:
     return draft == "ngram" or draft.startswith("ngram:")
 
 
-def _tree_widths(tree: tuple[int, ...]) -> tuple[int, ...]:
-    """``--tree`` as per-depth widths (one number n: a chain of n)."""
-    return (1,) * tree[0] if len(tree) == 1 else tuple(tree)
-
-
 def _shaping_flag(args: argparse.Namespace) -> str | None:
     """The first of ``--tree``, ``--law``, ``--min-confidence`` the command gives (options that shape a model or
     head draft), None without one."""
@@ -216,7 +210,9 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
         config = ngram_config(draft)
         shape = f"--draft {draft}", config.depth * config.branches, config.branches
     elif args.tree is not None:
-        widths = _tree_widths(args.tree)
+        from .drafters import tree_widths
+
+        widths = tree_widths(args.tree)
         shape = f"--tree {','.join(map(str, args.tree))}", tree_nodes(widths), math.prod(widths)
     if shape is not None:
         from .models.llama_cpp import DEFAULT_MAX_LEAVES, DEFAULT_TREE_CELLS
@@ -256,7 +252,9 @@ def _check_tree(args: argparse.Namespace) -> None:
         spelled = f"ngram:{tree}" if len(args.tree) == 2 else "ngram:DEPTH,BRANCHES (e.g. ngram:8,4)"
         raise CliInputError(f"--tree shapes a model or head draft; n-gram lookup takes its shape in the draft "
                             f"word: --draft {spelled}")
-    nodes = tree_nodes(_tree_widths(args.tree))
+    from .drafters import tree_widths
+
+    nodes = tree_nodes(tree_widths(args.tree))
     if nodes > MAX_TREE_NODES:
         raise CliInputError(f"--tree {tree} asks for {nodes} draft nodes; the limit is {MAX_TREE_NODES}")
 
@@ -614,9 +612,8 @@ def run_generate(args) -> int:
     if getattr(args, "target_reason", None):
         print(f"treespec: {args.target_reason}", file=sys.stderr, flush=True)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    # without --seed a run draws a fresh seed, reported so that --seed reproduces it (unused at T=0)
-    seed = secrets.randbits(63) if args.seed is None else args.seed
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
+    # without --seed generate() draws a fresh seed (result.seed), reported so that --seed reproduces it
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                               stop_on_eos=not args.no_stop, verifier=args.verifier,
                               leaf_logits=_leaf_logits(args))
     if not args.prompt.strip():
@@ -640,11 +637,11 @@ def run_generate(args) -> int:
     info = _run_info(args, drafter, runner, dtype)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
-                          "seed": seed, "statistics": {**result.summary(), **info,
+                          "seed": result.seed, "statistics": {**result.summary(), **info,
                                                        "accepted_per_step": [s.accepted for s in result.steps]}}))
     else:
         print()
-        _print_closing(args, result.summary(), info, drafter is None, dtype, seed)
+        _print_closing(args, result.summary(), info, drafter is None, dtype, result.seed)
     return 0
 
 

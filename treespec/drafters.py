@@ -157,7 +157,8 @@ def ngram_config(name: str) -> NgramConfig:
     return NgramConfig(depth=depth, branches=branches, max_nodes=depth * branches)
 
 
-def _widths(tree: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
+def tree_widths(tree: tuple[int, ...] | None, default: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """``--tree`` as per-depth widths (one number n: a chain of n); ``default`` where ``tree`` is None."""
     tree = tuple(tree or default)
     return (1,) * tree[0] if len(tree) == 1 else tree
 
@@ -183,7 +184,7 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     head.for_inference(target.dtype, quantize=None if quantize == "none" else quantize)
     confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
     law = options.law or settings.get("law", "iid")
-    return ShapeDrafter(head, TreeShape.widths(_widths(options.tree, settings["tree"])), law,
+    return ShapeDrafter(head, TreeShape.widths(tree_widths(options.tree, settings["tree"])), law,
                         min_confidence=confidence)
 
 
@@ -207,7 +208,7 @@ def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, 
         return head_drafter(target, name, options, temperature)
     from .models.loading import load_draft_model, load_model, load_tokenizer
 
-    widths = TreeShape.widths(_widths(options.tree, (1, 1, 1, 1)))
+    widths = TreeShape.widths(tree_widths(options.tree, (1, 1, 1, 1)))
     if name.startswith("early-exit:"):  # the target's own first layers (self-speculative)
         return ShapeDrafter(load_draft_model(name, target), widths, options.law or "iid")
     from .models.compat import check_tokenizers, check_vocab_sizes
