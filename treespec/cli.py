@@ -545,7 +545,8 @@ def _draft_words(draft: str, counts: list[int] | None = None) -> str:
         head = _draft_words(draft.removeprefix("lookup+"))
         if counts is None or len(counts) != 2:
             return f"n-gram lookup, then {head}"
-        return f"n-gram lookup ({counts[0]} trees), then {head} ({counts[1]} trees)"
+        trees = [f"{n} tree{'' if n == 1 else 's'}" for n in counts[:2]]
+        return f"n-gram lookup ({trees[0]}), then {head} ({trees[1]})"
     if draft == "head":
         return "the shipped head"
     if draft.endswith(".safetensors"):

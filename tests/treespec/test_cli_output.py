@@ -68,6 +68,7 @@ def test_draft_words():
     from treespec.cli import _draft_words
 
     assert _draft_words("lookup+head", [3, 5]) == "n-gram lookup (3 trees), then the shipped head (5 trees)"
+    assert _draft_words("lookup+head", [16, 1]) == "n-gram lookup (16 trees), then the shipped head (1 tree)"
     assert _draft_words("lookup+head") == "n-gram lookup, then the shipped head"
     assert _draft_words("head") == "the shipped head"
     assert _draft_words("lookup+h.safetensors") == "n-gram lookup, then the head h.safetensors"
