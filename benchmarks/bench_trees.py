@@ -21,6 +21,11 @@ chains), ``sequoia`` (DP shape from an acceptance vector measured on train promp
 the target's own first L layers). For Sequoia the tau predicted from the calibration acceptance
 vector is reported beside the measured one.
 
+Rows of builders that draft a fixed shape (chain, specinfer, spectr, sequoia) also keep the shape
+(``shape``: its parent array) and the settings that serve it on vLLM and SGLang (``serving``:
+:func:`treespec.trees.export.serving_settings`, with vLLM's refusal where it cannot draft the shape and
+SGLang's exact flag and note), so the best row can be served without re-running the DP.
+
 Writes results.json, results.md and results.png (rewritten after every budget) and provenance.json
 (commit, dirty + diff, CPU and flags, versions, command) under ``benchmarks/results/trees/<date>-<commit>/``
 (or ``--out``; a folder git tracks is never overwritten).
@@ -50,6 +55,7 @@ from treespec.drafting.subset_head import SubsetHead  # noqa: E402
 from treespec.files import atomic_write_text  # noqa: E402
 from treespec.generate import GenerationConfig, generate  # noqa: E402
 from treespec.sampling import SamplingConfig  # noqa: E402
+from treespec.trees.export import serving_settings  # noqa: E402
 from treespec.trees.sequoia import AcceptanceVector, SequoiaDP, predicted_tau  # noqa: E402
 
 from benchmarks.common import (SHARED, add_output_args, bootstrap_ci, finish, median, open_results,  # noqa: E402
@@ -390,6 +396,16 @@ def sequoia_rows(args: argparse.Namespace, target, draft, encode, temps: list[fl
     return accs, acc_source
 
 
+def serving_of(drafter) -> dict | None:
+    """``{"shape": parents + name, "serving": vLLM and SGLang settings}`` for a drafter growing a fixed shape
+    (a :class:`~treespec.trees.grow.ShapeDrafter`), None for dynamic builders (n-gram, DySpec, EAGLE-2, merged)."""
+    shape = getattr(drafter, "tree_shape", None)
+    if shape is None or shape.num_drafted == 0:
+        return None
+    settings = serving_settings(shape)
+    return {"shape": settings.pop("shape"), "serving": settings}
+
+
 def measure(runner, draft, vocab: int, prompts_ids: list[list[int]], builders: list[str], accs: dict,
             temps: list[float], budgets: list[int], args: argparse.Namespace, write) -> list[dict]:
     """Every (temperature, budget) block: plain decoding and every builder, interleaved prompt by prompt;
@@ -402,8 +418,11 @@ def measure(runner, draft, vocab: int, prompts_ids: list[list[int]], builders: l
         for b in budgets:
             makers = {name: (lambda name=name, b=b: build_tree_drafter(name, draft, b, vocab=vocab, acc=accs.get(t), max_depth=args.max_depth))
                       for name in builders}
-            for make in makers.values():
-                generate(runner, prompts_ids[0], make(), warm)  # warm-up
+            serving = {}
+            for name, make in makers.items():
+                drafter = make()
+                serving[name] = serving_of(drafter)
+                generate(runner, prompts_ids[0], drafter, warm)  # warm-up
             block = run_block(runner, prompts_ids, makers, cfg)
             results.append({"builder": "plain", "budget": b, "temperature": t, **block["plain"]})
             print(f"T={t} n={b} plain: {block['plain']['tokens_per_s']:.1f} tok/s", flush=True)
@@ -414,6 +433,8 @@ def measure(runner, draft, vocab: int, prompts_ids: list[list[int]], builders: l
                     r["predicted_tau"] = predicted_tau(shape, accs[t])
                     if len(accs[t]) > 1:  # what the depth-1 vector alone (classic Sequoia) would predict
                         r["predicted_tau_depth1_only"] = predicted_tau(shape, accs[t][0])
+                if serving[name] is not None:
+                    r.update(serving[name])
                 results.append({"builder": name, "budget": b, "temperature": t, **r})
                 print(f"T={t} n={b} {name}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s, "
                       f"speedup {r['speedup']:.2f} (median {r['speedup_median']:.2f} [{r['speedup_ci95'][0]:.2f}, "
