@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-category", type=int, default=4, help="tuning prompts per category (default 4)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     ap.add_argument("--verifiers", nargs="+", default=["single", "block"],
-                    help="chain verifiers; the first is the baseline of the ratios (default: single block)")
+                    help="verifiers of the head's i.i.d. draft: single and block (chains), rrs and traversal (any "
+                         "--tree); the first is the baseline of the ratios (default: single block)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default float32")
     ap.add_argument("--tag", default="chain-verifiers", help="results folder suffix (default chain-verifiers)")
     ap.add_argument("--tree", default=None, help="chain length of the head, e.g. 6 (default: the shipped head's)")

@@ -808,7 +808,7 @@ def test_shape_mismatches_raise(name):
 
 def test_registries_agree():
     assert set(VERIFIERS) == set(VERIFIER_LAWS) == set(LAW_OF_VERIFIER)
-    assert set(VERIFIER_RULES) == set(VERIFIERS) - {"block"}  # block verification judges whole chains
+    assert set(VERIFIER_RULES) == set(VERIFIERS) - {"block", "traversal"}  # path verifiers judge whole paths
     for name, law in LAW_OF_VERIFIER.items():
         assert law in DRAFT_LAWS
         assert VERIFIER_LAWS[name] is None or law in VERIFIER_LAWS[name]
@@ -822,7 +822,7 @@ def test_engine_and_ot_bounds_verifier_tables_agree():
     import ot_bounds.verifiers as ob
     from ot_bounds import TUPLE_LAWS
 
-    assert set(ob.VERIFIERS) == set(ob.VERIFIER_LAW) == set(LAW_OF_VERIFIER) - {"greedy", "block"}
+    assert set(ob.VERIFIERS) == set(ob.VERIFIER_LAW) == set(LAW_OF_VERIFIER) - {"greedy", "block", "traversal"}
     for name, law in ob.VERIFIER_LAW.items():
         assert LAW_OF_VERIFIER[name] == law, name
     assert set(TUPLE_LAWS) == set(DRAFT_LAWS)
@@ -872,8 +872,9 @@ def test_ot_bounds_verifier_table_agrees_with_the_engine():
     verifiers it scores are the engine's, each under the engine's draft law."""
     from ot_bounds.verifiers import VERIFIER_LAW, VERIFIERS as OT_VERIFIERS
 
-    # greedy (temperature 0) has no coupling to score; block verification judges chains, not one node's drafts
-    assert set(OT_VERIFIERS) == set(VERIFIERS) - {"greedy", "block"}
+    # greedy (temperature 0) has no coupling to score; block and traversal verification judge whole paths, not
+    # one node's drafts
+    assert set(OT_VERIFIERS) == set(VERIFIERS) - {"greedy", "block", "traversal"}
     for name in OT_VERIFIERS:
         assert VERIFIER_LAW[name] == LAW_OF_VERIFIER[name], name
         assert VERIFIER_LAW[name] in DRAFT_LAWS

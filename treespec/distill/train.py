@@ -265,17 +265,20 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     norm = sum(weights) or 1.0
     losses: dict[str, torch.Tensor] = {}
     logits_ctx = autocast if cfg.logits_amp else nullcontext()
-    m1 = b["mask"]  # [B, T]: every entry of depth 1; deeper depths use a subset of them
-    target_h = b["hidden_out"][m1]  # [P, H]: h_j, the targets of every depth at entry j
+    # every entry of depth 1 (deeper depths use a subset of them) as flat row indices into [B * T], found on the
+    # batch's own mask (built on the host): no data-dependent shape, nor a test per depth, on the device
+    rows, longest = _mask_rows(batch["mask"])
+    m1 = rows.to(device)  # [P]
+    target_h = _pick(b["hidden_out"], m1)  # [P, H]: h_j, the targets of every depth at entry j
     soft, target_top1 = _soft_labels(head, b, m1, cfg, sub_index, target_h, logits_ctx)  # once for every depth
-    nxt = b["next"][m1]
+    nxt = _pick(b["next"], m1)
     hard = torch.where(nxt >= 0, sub_index[nxt.clamp(min=0)], -1)  # [P]: the next token's subset index, or -1
-    entry = torch.arange(m1.shape[1], device=device).expand_as(m1)[m1]  # [P]: each row's index in its window
+    entry = m1 % b["mask"].shape[1]  # [P]: each row's index in its window
     for k, (feat_k, w) in enumerate(zip(feats, weights), start=1):
         keep = entry >= k - 1  # [P]: depth k has a root inside the window (the other rows count for nothing)
-        if not bool(keep.any()):
+        if longest < k:  # no row kept
             continue
-        part = _depth_losses(head, feat_k.float()[m1], keep, target_h, soft, hard, target_top1, logits_ctx,
+        part = _depth_losses(head, _pick(feat_k.float(), m1), keep, target_h, soft, hard, target_top1, logits_ctx,
                              tv=cfg.w_tv > 0)
         for name in ("soft", "hard", "feat", "tv"):
             if name in part:
@@ -288,9 +291,23 @@ def compute_losses(head: EagleHead, batch: dict, cfg: TrainConfig, sub_index: to
     return losses
 
 
+def _mask_rows(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The entries of ``mask`` ``[B, T]`` as flat row indices ``[P]`` into ``[B * T]`` (row-major, the order of
+    ``x[mask]``), and the longest window (1 + the largest entry index; 0 when none)."""
+    rows = torch.nonzero(mask.flatten()).squeeze(1)  # [P]
+    return rows, (int((rows % mask.shape[1]).max()) + 1 if rows.numel() else 0)
+
+
+def _pick(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, T, ...]`` at the entries ``m``: a bool mask ``[B, T]`` (``x[m]``) or flat row indices ``[P]``
+    (:func:`_mask_rows`; the same rows, by ``index_select``: no data-dependent shape) -> ``[P, ...]``."""
+    return x[m] if m.dtype == torch.bool else x.flatten(0, 1).index_select(0, m)
+
+
 def _soft_labels(head: EagleHead, b: dict, m: torch.Tensor, cfg: TrainConfig, sub_index: torch.Tensor,
                  target_h: torch.Tensor, logits_ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """The soft labels ``[P, |S|]`` of the entries ``m`` and the target's top-1 token ``[P]`` there.
+    """The soft labels ``[P, |S|]`` of the entries ``m`` (a mask or row indices, :func:`_pick`) and the target's
+    top-1 token ``[P]`` there.
 
     ``cfg.soft == "subset"``: the target's distribution renormalised on the subset, from ``h_j`` and the
     head's (= the target's) LM rows, under ``logits_ctx`` like every subset product (bf16 autocast
@@ -301,10 +318,10 @@ def _soft_labels(head: EagleHead, b: dict, m: torch.Tensor, cfg: TrainConfig, su
             with logits_ctx:
                 soft = torch.softmax(head.logits(target_h), dim=-1)  # [P, |S|]
             k = b["topk_ids"].shape[-1]
-            return soft, b["topk_ids"][m][:, 0] if k else head.vocab_ids[soft.argmax(-1)]
-        ids = b["topk_ids"][m]  # [P, k]
+            return soft, _pick(b["topk_ids"], m)[:, 0] if k else head.vocab_ids[soft.argmax(-1)]
+        ids = _pick(b["topk_ids"], m)  # [P, k]
         sub = sub_index[ids]
-        w = b["topk_logp"][m].exp() * (sub >= 0)
+        w = _pick(b["topk_logp"], m).exp() * (sub >= 0)
         w = w / w.sum(-1, keepdim=True).clamp(min=1e-12)
         soft = torch.zeros(ids.shape[0], head.vocab_ids.numel(), device=ids.device).scatter_add_(1, sub.clamp(min=0), w)
         return soft, ids[:, 0]
@@ -472,10 +489,11 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
         return compute_losses(head, batch, cfg, sub_index, autocast)
 
     def on_step(step: int, losses: dict) -> None:
-        for k in ("total", "soft", "feat", "tv", "agree", *(f"agree_d{d}" for d in range(2, cfg.depths + 1))):
-            if k not in losses:  # a batch of windows shorter than depth k; "tv" only with w_tv > 0
-                continue
-            v = float(losses[k].detach())
+        # a batch of windows shorter than depth k has no "agree_dk"; "tv" only with w_tv > 0
+        names = [k for k in ("total", "soft", "feat", "tv", "agree", *(f"agree_d{d}" for d in range(2, cfg.depths + 1)))
+                 if k in losses]
+        values = torch.stack([losses[k].detach().double() for k in names]).tolist()  # the step's one host sync
+        for k, v in zip(names, values):
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         bar.update(1)
         bar.set_postfix(loss=f"{ema['total']:.3f}", soft=f"{ema['soft']:.3f}", feat=f"{ema['feat']:.3f}",

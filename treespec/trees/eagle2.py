@@ -28,6 +28,14 @@ from ..tree import TokenTree
 from .common import RunnerDrafter
 
 
+def _values_and_ids(values: torch.Tensor, ids: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+    """``values`` (float) and ``ids`` (int64), both ``[M, k]``, as host lists in one read-back: float64 holds
+    a float32 value and a token id exactly."""
+    k = values.shape[1]
+    host = torch.cat([values.double(), ids.double()], dim=1).tolist()
+    return [row[:k] for row in host], [[int(t) for t in row[k:]] for row in host]
+
+
 class Eagle2Drafter(RunnerDrafter):
     """Expand top-k per frontier node, keep the global top-k by cumulative log-prob, rerank to N.
 
@@ -73,7 +81,8 @@ class Eagle2Drafter(RunnerDrafter):
             k = min(self.top_k, logp.shape[-1])
             cols = top_order(logp, k)  # [M, k] the k best columns, ties by id (no full-vocabulary sort)
             lp = logp.gather(1, cols)
-            lp, kids = lp.tolist(), draft.token_ids(cols).tolist()  # one host sync per depth
+            # one host sync per depth: the values and the token ids read back together
+            lp, kids = _values_and_ids(lp, draft.token_ids(cols))
             start = len(tokens)
             for r, node in enumerate(frontier):
                 for j in range(k):

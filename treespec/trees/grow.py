@@ -12,8 +12,8 @@ the template subtrees of the missing children are dropped: the tree is then smal
 shape. Dropping is decided by the draft alone (before any missing child could be drawn), so the
 verification stays lossless.
 
-Cost: ``shape.max_depth`` draft forwards per step (one per level) plus one host sync per level to
-read the drawn tokens.
+Cost: ``shape.max_depth`` draft forwards per step (one per level) plus one host read-back per level of the
+drawn tokens (with their validity and confidence), whatever the level's width.
 """
 
 from __future__ import annotations
@@ -33,6 +33,15 @@ def check_shape_law(shape: TreeShape, law: str) -> None:
         raise ValueError(f"unknown draft law {law!r}; expected one of {DRAFT_LAWS}")
     if law == "spechub" and shape.num_drafted and max(shape.num_children) > 2:
         raise ValueError("the spechub law drafts at most two children per node")
+
+
+def _to_host(tokens: torch.Tensor, valid: torch.Tensor, confident: torch.Tensor | None
+             ) -> tuple[list[list[int]], list[list[int]], list[list[int]] | None]:
+    """One level's drawn children ``[M, K]`` (tokens, valid, confident or None) as host lists, read back
+    together: the one host sync of a level."""
+    parts = [tokens, valid.long(), *([] if confident is None else [confident.long()])]
+    host = torch.stack(parts).tolist()
+    return host[0], host[1], host[2] if confident is not None else None
 
 
 class ShapeDrafter(RunnerDrafter):
@@ -84,23 +93,25 @@ class ShapeDrafter(RunnerDrafter):
                 break
             tree = TokenTree.from_lists(parents, tokens, law, device)
             counts = [len(kids_of[template[i]]) for i in expand]
-            draft = self._forward(tree, expand, chain).at_least(max(counts))  # [M, Vs] (a subset for heads)
+            widest = max(counts)
+            draft = self._forward(tree, expand, chain).at_least(widest)  # [M, Vs] (a subset for heads)
             chain = None
             counts = torch.tensor(counts, dtype=torch.long, device=device)
             confident = None  # [M, k] bool: the child's draft probability reaches min_confidence
             if law == "deterministic":
-                drafts = draw_children(draft.logits, counts, "deterministic")  # top-k of the logits
+                # max_children: the width is known on the host (draw_children would read it back)
+                drafts = draw_children(draft.logits, counts, "deterministic", max_children=widest)  # top-k
                 if self.min_confidence > 0.0:
                     conf = torch.softmax(draft.logits.float(), dim=-1).gather(1, drafts.tokens.clamp(min=0))
-                    confident = (conf >= self.min_confidence).tolist()
+                    confident = conf >= self.min_confidence
             else:
                 q = logits_to_probs(draft.logits, sampling)  # [M, Vs]
-                drafts = draw_children(q, counts, law, generator)
+                drafts = draw_children(q, counts, law, generator, max_children=widest)
                 rows.append(draft.spread(q))  # [M, V] for the verifier
                 expanded.extend(expand)
                 if self.min_confidence > 0.0:
-                    confident = (q.gather(1, drafts.tokens.clamp(min=0)) >= self.min_confidence).tolist()
-            toks, valid = draft.token_ids(drafts.tokens).tolist(), drafts.valid.tolist()  # one host sync per level
+                    confident = q.gather(1, drafts.tokens.clamp(min=0)) >= self.min_confidence
+            toks, valid, confident = _to_host(draft.token_ids(drafts.tokens), drafts.valid, confident)
             frontier = []
             for r, node in enumerate(expand):
                 for j, child_template in enumerate(kids_of[template[node]]):

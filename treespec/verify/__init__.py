@@ -15,6 +15,7 @@ deterministic              deterministic           any
 greedy_draft               greedy_draft            any (at most the vocabulary size)
 spechub                    spechub                 1 or 2
 block                      iid                     1 (a chain, verified jointly)
+traversal                  iid                     any (root-to-node sequences, leaf to root)
 ========================== ======================= ==================================================
 """
 
@@ -35,7 +36,7 @@ LAW_OF_VERIFIER = {name: ("deterministic" if laws is None else laws[0]) for name
 DEFAULT_VERIFIER = {spec.laws[0]: name for name, spec in SPECS.items() if spec.default}
 
 #: verifier name -> its node rule (what verify_tree samples from and output_law evaluates); a path verifier
-#: (``block``) has none
+#: (``block``, ``traversal``) has none
 VERIFIER_RULES = {name: spec.rule for name, spec in SPECS.items() if spec.rule is not None}
 
 __all__ = ["VERIFIERS", "VERIFIER_LAWS", "DEFAULT_VERIFIER", "LAW_OF_VERIFIER", "VERIFIER_RULES", "SPECS",

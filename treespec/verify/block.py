@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import TokenTree
-from .core import VerifyResult, _result, sample_categorical, target_rows
+from .core import VerifyResult, _result, at, sample_categorical, target_rows
 
 
 def _block_laws(tree: TokenTree, target_probs: torch.Tensor,
@@ -103,11 +103,11 @@ def verify_block(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch
     stop = torch.where(finite, stop, torch.ones_like(stop))  # a non-finite law is reported by _result below
     tau = sample_categorical(stop, generator).clamp(0, g)  # [] kept drafts
     kept_all = tau == g
-    own = target_probs[row_of[tau].clamp(min=0)]  # [V] the bonus row (a leaf without a row: never emitted)
-    dist = torch.where(kept_all, own, residual[tau.clamp(max=g - 1)])  # [V]
+    own = at(target_probs, at(row_of, tau).clamp(min=0))  # [V] the bonus row (a leaf without a row: never emitted)
+    dist = torch.where(kept_all, own, at(residual, tau.clamp(max=g - 1)))  # [V]
     mass = dist.sum()
     mass_ok = finite & torch.isfinite(mass) & (mass > 0)
-    return _result(tree, tau, sample_categorical(dist, generator), kept_all, row_of[tau] >= 0, mass_ok,
+    return _result(tree, tau, sample_categorical(dist, generator), kept_all, at(row_of, tau) >= 0, mass_ok,
                    target_probs.shape[1])
 
 

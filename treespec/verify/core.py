@@ -189,15 +189,15 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
         next_node[internal] = torch.where(choice < k, picked, torch.full_like(picked, -1))
         residual_row[internal] = torch.arange(internal.numel(), device=device)
     cur = _walk(tree, next_node)
-    row = residual_row[cur]
+    row = at(residual_row, cur)
     is_bonus = row < 0
-    own = target_probs[row_of[cur].clamp(min=0)]  # [V] (a leaf without a row: drawn from, never emitted)
+    own = at(target_probs, at(row_of, cur).clamp(min=0))  # [V] (a leaf without a row: drawn from, never emitted)
     dist = own if residual.shape[0] == 0 else torch.where(
         is_bonus, own, residual_rows(residual, row.clamp(min=0).view(1))[0]
     )  # [V]
     mass = dist.sum()
     mass_ok = mass_ok & torch.isfinite(mass) & (mass > 0)
-    return _result(tree, cur, sample_categorical(dist, generator), is_bonus, row_of[cur] >= 0, mass_ok,
+    return _result(tree, cur, sample_categorical(dist, generator), is_bonus, at(row_of, cur) >= 0, mass_ok,
                    target_probs.shape[1])
 
 
@@ -216,7 +216,7 @@ def verify_tree_greedy(tree: TokenTree, scores: torch.Tensor) -> VerifyResult:
     first = match.to(torch.int8).argmax(dim=1, keepdim=True)  # first matching child
     next_node = torch.where(match.any(dim=1), kids.gather(1, first).squeeze(1), torch.full_like(best, -1))
     cur = _walk(tree, next_node)
-    return _result(tree, cur, best[cur], tree.num_children[cur] == 0, row_of[cur] >= 0)
+    return _result(tree, cur, at(best, cur), at(tree.num_children, cur) == 0, at(row_of, cur) >= 0)
 
 
 def target_rows(tree: TokenTree, target_probs: torch.Tensor) -> torch.Tensor:
@@ -232,11 +232,17 @@ def target_rows(tree: TokenTree, target_probs: torch.Tensor) -> torch.Tensor:
     return row_of.index_copy_(0, verified, torch.arange(verified.numel(), device=tree.device))
 
 
+def at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` for a 0-d index tensor, without the host sync of ``values[index]`` (which reads a 0-d
+    index back as a Python int): ``values`` ``[n, ...]`` -> ``[...]``."""
+    return values.index_select(0, index.reshape(1)).squeeze(0)
+
+
 def _walk(tree: TokenTree, next_node: torch.Tensor) -> torch.Tensor:
-    """Follow ``next_node`` ``[n]`` (-1 = stop) from the root: depth-many gathers, no host sync."""
+    """Follow ``next_node`` ``[n]`` (-1 = stop) from the root: depth-many gathers, no host sync. Returns ``[]``."""
     cur = torch.zeros((), dtype=torch.long, device=next_node.device)
     for _ in range(tree.max_depth):
-        nxt = next_node[cur]
+        nxt = at(next_node, cur)
         cur = torch.where(nxt >= 0, nxt, cur)
     return cur
 
@@ -248,7 +254,7 @@ def _result(tree: TokenTree, cur: torch.Tensor, token: torch.Tensor, is_bonus: t
     n = tree.num_nodes
     ok = torch.ones((), dtype=torch.bool, device=cur.device) if mass_ok is None else mass_ok
     packed = torch.cat([torch.stack([cur, token, is_bonus.long(), has_row.long(), ok.long()]),
-                        tree.ancestor_mask[cur].long(), tree.tokens])
+                        at(tree.ancestor_mask, cur).long(), tree.tokens])
     host = packed.tolist()  # the one host sync of a verification
     node, tok, bonus, has, good = host[:5]
     if not good or (vocab is not None and not 0 <= tok < vocab):

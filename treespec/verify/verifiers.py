@@ -22,6 +22,7 @@ from .core import VerifyResult, check_inputs, check_law, verify_tree, verify_tre
 from .greedy_draft import greedy_draft_rule
 from .kseq import kseq_rule
 from .spechub import spechub_rule
+from .traversal import verify_traversal
 
 Verifier = Callable[..., VerifyResult]
 
@@ -37,7 +38,7 @@ class VerifierSpec:
     default : the verifier used for trees of law ``laws[0]`` when none is named.
     max_children : children per node it is defined for (None: any), and what to say beyond.
     run : a path verifier ``(tree, target_probs, draft_probs, generator) -> VerifyResult`` that replaces the
-        node-rule walk (block verification of a chain), or None.
+        node-rule walk (block verification of a chain, traversal verification of a tree), or None.
     """
 
     rule: Callable | None
@@ -73,6 +74,8 @@ SPECS: dict[str, VerifierSpec] = {
     "block": VerifierSpec(None, ("iid",), True, max_children=(
         1, "verifies a chain (one child per node), this tree has a node with {n}; use 'rrs' for trees"),
         run=verify_block),
+    # traversal verification of an i.i.d.-drafted tree (Weng et al. 2505.12398): sequences judged leaf to root
+    "traversal": VerifierSpec(None, ("iid",), True, run=verify_traversal),
 }
 
 
