@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import SHARED, add_output_args, finish, open_results, require_shared, write_json  # noqa: E402
 from treespec.distill.inputs import read_prompt_texts  # noqa: E402
 from treespec.trees.sequoia import HardwareProfile  # noqa: E402
+from treespec.models.kv_cache import cache_kwargs  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
 
@@ -50,7 +51,7 @@ def step_cost(model, ids: list[int], repeats: int) -> float:
         nxt = torch.tensor([[int(out.logits[0, -1].argmax())]])
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            out = model(nxt, past_key_values=past, use_cache=True)
+            out = model(nxt, **cache_kwargs(model, past), use_cache=True)
             times.append(time.perf_counter() - t0)  # the cache grows by one token per repeat
     return statistics.median(times[1:])
 

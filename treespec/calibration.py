@@ -186,13 +186,23 @@ def _depth_rows(total: torch.Tensor, weight: torch.Tensor, width: int, min_weigh
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device runs kernels asynchronously: a clock read without
+    this measures the launches only); nothing to wait for on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_tree_pass(runner, tokens: int, repeats: int, vocab: int) -> float:
     tree = TokenTree.from_lists([-1] + [0] * (tokens - 1), [t % vocab for t in range(1, tokens + 1)])
     nodes = torch.arange(tokens, device=runner.device)
     times = []
     for _ in range(repeats):
+        synchronize(runner.device)
         t0 = time.perf_counter()
         runner.forward(tree, nodes)
+        synchronize(runner.device)
         times.append(time.perf_counter() - t0)
         runner.commit([])  # drop the tree again
     return statistics.median(times)
@@ -237,9 +247,12 @@ def _stream_words(model) -> list[torch.Tensor]:
 
 
 def _read_once(tensors: list[torch.Tensor]) -> float:
+    device = tensors[0].device if tensors else torch.device("cpu")
+    synchronize(device)
     t0 = time.perf_counter()
     for t in tensors:
         t.sum()
+    synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -297,6 +310,7 @@ def measure_profile(target, draft=None, *, sizes: tuple[int, ...] = DEFAULT_SIZE
             _time_tree_pass(drunner, draft_width, 1, drunner.vocab_size)
         draft_s = _time_tree_pass(drunner, draft_width, repeats, drunner.vocab_size)
     meta = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "device": str(runner.device),
             "torch": torch.__version__, "prefix": prefix, "repeats": rounds, "draft_width": draft_width,
             "target": type(runner.model).__name__, "runner": type(runner).__name__,
             "dtype": str(runner.dtype).replace("torch.", ""), "quantize": quantize}

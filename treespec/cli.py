@@ -40,6 +40,7 @@ VERIFIER_MEANINGS = {
     "greedy_draft": "children drawn by the greedy_draft law",
     "spechub": "SpecHub's pair law (1 or 2 children per node)",
     "block": "a drafted chain verified jointly (block verification)",
+    "traversal": "an i.i.d.-drafted tree verified leaf to root, whole sequences at a time (traversal verification)",
 }
 DRAFT_LAWS = ("iid", "without_replacement", "deterministic", "greedy_draft", "spechub")
 QUANTIZE_MODES = ("int4",)
@@ -191,7 +192,7 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
     if args.target != EMBEDDED_GGUF and not os.path.isfile(args.target):
         raise CliInputError(f"--target {args.target}: no GGUF file there")
     for flag, used in (("--quantize", args.quantize != "none"), ("--runner", args.runner != "auto"),
-                       ("--exact", args.exact)):
+                       ("--exact", args.exact), ("--device", args.device not in ("auto", "cpu"))):
         if used:
             raise CliInputError(f"{flag} applies to PyTorch targets; a GGUF target runs llama.cpp on the file's own "
                                 f"weights")
@@ -272,15 +273,19 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads > usable_cores():
         raise CliInputError(f"--threads {args.threads}: this process may run on {usable_cores()} CPU cores; "
                             f"use at most {usable_cores()} (more threads than cores only slow decoding down)")
+    device = resolve_cli_device(args)
     if target_kind(args.target) == "gguf":
         _check_gguf_args(args)
+    elif args.quantize != "none" and device.type != "cpu":
+        raise CliInputError(f"--quantize {args.quantize} runs on torch's int4 CPU kernel; this run's device is "
+                            f"{device} (use --device cpu)")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as err:
         raise CliInputError(f"the prompt is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
-    if args.quantize != "none" and args.runner == "eager":
+    if args.quantize != "none" and args.runner in ("eager", "graphs"):
         raise CliInputError(f"--quantize {args.quantize} runs on the fast runner; it cannot be combined with "
-                            f"--runner eager")
+                            f"--runner {args.runner}")
     if args.draft_quantize not in ("auto", "none") and resolve_cli_dtype(args) != torch.bfloat16:
         raise CliInputError(f"--draft-quantize {args.draft_quantize} needs bfloat16 (--dtype bfloat16; this run "
                             f"would use {str(resolve_cli_dtype(args)).replace('torch.', '')})")
@@ -402,13 +407,19 @@ def _engine_arguments(g: argparse.ArgumentParser) -> None:
                         "one-token passes). See --exact")
     g.add_argument("--exact", action="store_true",
                    help="force float32 so that temperature-0 output is token-identical to --plain")
+    g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where a PyTorch target (and its draft) runs: auto (default) = the first CUDA GPU where "
+                        "torch sees one, else the CPU; --dtype auto is then bf16 where the GPU computes it, else "
+                        "fp16. A GGUF target runs in llama.cpp on the CPU")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads of torch and of llama.cpp (default: torch's own setting, one per physical "
                         "core)")
-    g.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
+    g.add_argument("--runner", choices=["auto", "fast", "eager", "graphs"], default="auto",
                    help="target forward: 'fast' = lean Gemma-3 forward over a static cache (the same function, "
-                        "tested against the eager one), 'eager' = the Hugging Face module, 'auto' (default) = fast "
-                        "where it covers the model")
+                        "tested against the eager one), 'eager' = the Hugging Face module, 'graphs' = the fast "
+                        "forward at a few fixed shapes, replayed as CUDA graphs on a GPU (fewer kernel launches; "
+                        "on a CPU the same passes without graphs), 'auto' (default) = fast where it covers the "
+                        "model")
     g.add_argument("--quantize", choices=["none", *QUANTIZE_MODES], default="none",
                    help="none (default): the target's own weights; int4: the target's linear layers (LM head "
                         "included) run on 4-bit weights (groups of 32, "
@@ -460,7 +471,21 @@ def resolve_cli_dtype(args: argparse.Namespace) -> torch.dtype:
         if args.dtype == "bfloat16":
             raise CliInputError("--exact needs float32; it cannot be combined with --dtype bfloat16")
         return torch.float32
-    return resolve_dtype(args.dtype)
+    return resolve_dtype(args.dtype, resolve_cli_device(args))
+
+
+def resolve_cli_device(args: argparse.Namespace) -> torch.device:
+    """The device of a PyTorch target (``--device``, :func:`~treespec.models.loading.resolve_device`; one line
+    naming the problem for a device this machine lacks). A GGUF target (llama.cpp) computes on the CPU."""
+    from .drafters import target_kind
+    from .models.loading import resolve_device
+
+    if target_kind(args.target) == "gguf":
+        return resolve_device("cpu")
+    try:
+        return resolve_device(getattr(args, "device", "auto"))
+    except ValueError as err:
+        raise CliInputError(f"--device: {err}") from None
 
 
 def _guarantee(dtype: torch.dtype, temperature: float, plain: bool, runner: str = "fast") -> str:
@@ -492,6 +517,10 @@ def _runner_name(runner) -> str:
 
     if isinstance(runner, LlamaCppRunner):
         return "llama.cpp"
+    from .models.fast import GraphedGemmaRunner
+
+    if isinstance(runner, GraphedGemmaRunner):
+        return "graphs" if runner.capture else "graphs (fixed shapes, no capture)"
     return "fast" if isinstance(runner, FastGemmaRunner) else "eager"
 
 
@@ -519,9 +548,11 @@ def _gguf_runner(args):
     return runner, LlamaCppTokenizer(runner), target
 
 
-def _model_words(target: str, dtype: torch.dtype) -> str:
-    """The target model in words, for the line printed while it loads."""
+def _model_words(target: str, dtype: torch.dtype, device: torch.device | None = None) -> str:
+    """The target model in words, for the line printed while it loads (``device``: named unless the CPU)."""
     dtype_word = str(dtype).replace("torch.", "")
+    if device is not None and device.type != "cpu":
+        dtype_word += f" on {device}"
     if target == "embedded":
         return f"the embedded Gemma-3-270M (PyTorch, {dtype_word})"
     if target == EMBEDDED_GGUF:
@@ -658,8 +689,9 @@ def _load_target(args, dtype):
     tokenizer = load_tokenizer(args.target)
     if args.chat:
         chat_prompt(tokenizer, args.prompt)  # a tokenizer without a template is refused before the model loads
-    print(f"treespec: loading {_model_words(args.target, dtype)}...", file=sys.stderr, flush=True)
-    return None, tokenizer, load_model(args.target, dtype=dtype)
+    device = resolve_cli_device(args)
+    print(f"treespec: loading {_model_words(args.target, dtype, device)}...", file=sys.stderr, flush=True)
+    return None, tokenizer, load_model(args.target, dtype=dtype, device=device)
 
 
 def _streamer(args, tokenizer, progress: dict):
@@ -686,7 +718,8 @@ def _run_info(args, drafter, runner, dtype) -> dict:
     from .drafting.compose import FirstOf
 
     info = {"method": "plain" if drafter is None else type(drafter).__name__,
-            "dtype": str(dtype).replace("torch.", ""), "temperature": args.temperature,
+            "dtype": str(dtype).replace("torch.", ""), "device": str(resolve_cli_device(args)),
+            "temperature": args.temperature,
             "runner": _runner_name(runner), "quantize": args.quantize}
     if isinstance(drafter, FirstOf):  # which drafter proposed how many trees
         info["method"] = f"FirstOf({', '.join(type(d).__name__ for d in drafter.drafters)})"

@@ -172,6 +172,7 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     unless ``options.quantize`` asks for int4."""
     from .drafting.head import EagleHead
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
+    from .models.fast.quant import int4_kernel_missing
 
     head = load_default_head(target) if path is None else EagleHead.load(path, target)
     settings = (DEFAULT_HEAD_SETTINGS["greedy" if temperature <= 0 else "sampled"] if path is None
@@ -179,7 +180,8 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     quantize = options.quantize
     if quantize is None:  # the measured setting, where its kernel runs (bf16 activations on a CPU)
         quantize = settings.get("quantize", "none")
-        if quantize == "int4" and (target.dtype != torch.bfloat16 or head.lm_rows.device.type != "cpu"):
+        if quantize == "int4" and (target.dtype != torch.bfloat16 or head.lm_rows.device.type != "cpu"
+                                   or int4_kernel_missing() is not None):
             quantize = "none"
     head.for_inference(target.dtype, quantize=None if quantize == "none" else quantize)
     confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
@@ -214,7 +216,7 @@ def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, 
     from .models.compat import check_tokenizers, check_vocab_sizes
 
     check_tokenizers(tokenizer, load_tokenizer(name))
-    draft = load_model(name, dtype=dtype)
+    draft = load_model(name, dtype=dtype, device=target.device)
     check_vocab_sizes(target, draft)
     return ShapeDrafter(draft, widths, options.law or "iid", target.get_output_embeddings().weight.shape[0])
 

@@ -92,6 +92,8 @@ def continue_batch(model, prompts: list[list[int]], opts: ContinuationOptions, e
     """Continuations (each cut after its first EOS) of a batch of token-id prompts, in one batched loop."""
     from transformers import DynamicCache
 
+    from ..models.kv_cache import cache_kwargs
+
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
@@ -106,7 +108,7 @@ def continue_batch(model, prompts: list[list[int]], opts: ContinuationOptions, e
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     body = model.base_model
-    out = body(input_ids=ids, attention_mask=att, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = body(input_ids=ids, attention_mask=att, position_ids=positions, **cache_kwargs(body, cache), use_cache=True)
     tok = _pick(_head_logits(model, out.last_hidden_state[:, -1]), opts, generator)  # [B]
     pos = positions[:, -1]  # [B]
     done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -120,8 +122,8 @@ def continue_batch(model, prompts: list[list[int]], opts: ContinuationOptions, e
             break
         att = torch.cat([att, torch.ones(b, 1, dtype=att.dtype, device=device)], dim=1)
         pos = pos + 1
-        out = body(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None], past_key_values=cache,
-                   use_cache=True)
+        out = body(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
+                   **cache_kwargs(body, cache), use_cache=True)
         tok = _pick(_head_logits(model, out.last_hidden_state[:, -1]), opts, generator)
     rows = generated[:, :steps].tolist()
     conts = []

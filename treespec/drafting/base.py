@@ -58,6 +58,15 @@ class DraftState:
     target_runner: TargetView | None = None
 
 
+def tree_device(state: DraftState, device: torch.device | str | None) -> torch.device:
+    """Where a drafter without a model of its own builds its tree: ``device`` when given, else the target
+    runner's device (the CPU without one)."""
+    if device is not None:
+        return torch.device(device)
+    runner = state.target_runner
+    return runner.device if runner is not None else torch.device("cpu")
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Protocol every drafter follows."""

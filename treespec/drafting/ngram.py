@@ -19,7 +19,7 @@ import torch
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
 from ..verify import VerifyResult
-from .base import Draft, DraftState
+from .base import Draft, DraftState, tree_device
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class NgramDrafter:
 
     reads_target_hidden = False
 
-    def __init__(self, config: NgramConfig = NgramConfig(), device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: NgramConfig = NgramConfig(), device: torch.device | str | None = None) -> None:
         self.config = config
         self.device = device
         self.begin([])
@@ -112,7 +112,7 @@ class NgramDrafter:
     def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         depth = min(self.depth, state.max_depth)
         branches = find_continuations(np.asarray(state.tokens), self.config, depth) if depth > 0 else []
-        tree = trie_tree(state.tokens[-1], branches, self.config.max_nodes, self.device)
+        tree = trie_tree(state.tokens[-1], branches, self.config.max_nodes, tree_device(state, self.device))
         self._proposed_depth = max((len(b) for b in branches), default=0)
         return Draft(tree)
 

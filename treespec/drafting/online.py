@@ -22,7 +22,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..verify import VerifyResult
-from .base import Draft, DraftState
+from .base import Draft, DraftState, tree_device
 from .ngram import NgramConfig, distinct, trie_tree
 
 _SEP = -1  # separates requests in the store: no n-gram or continuation crosses it
@@ -50,7 +50,7 @@ class OnlineNgramDrafter:
 
     reads_target_hidden = False
 
-    def __init__(self, config: OnlineNgramConfig = OnlineNgramConfig(), device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: OnlineNgramConfig = OnlineNgramConfig(), device: torch.device | str | None = None) -> None:
         self.config = config
         self.device = device
         self.store: list[int] = []
@@ -109,7 +109,7 @@ class OnlineNgramDrafter:
         depth = min(self._depth, state.max_depth)
         branches = self._lookup(state.tokens, depth) if depth > 0 else []
         self._proposed_depth = max((len(b) for b in branches), default=0)
-        return Draft(trie_tree(state.tokens[-1], branches, self.config.ngram.max_nodes, self.device))
+        return Draft(trie_tree(state.tokens[-1], branches, self.config.ngram.max_nodes, tree_device(state, self.device)))
 
     def accept(self, result: VerifyResult, emitted: list[int]) -> None:
         self._append(emitted)  # the store learns every committed token

@@ -9,6 +9,9 @@ cache is concerned: sliding windows are enforced by the masks.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -91,3 +94,16 @@ class TreeKVCache(Cache):
     def keep(self, prefix: int, slots: torch.Tensor) -> None:
         for layer in self.layers:
             layer.keep(prefix, slots)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(forward_type: type) -> str:
+    params = inspect.signature(forward_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(module: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{keyword: cache}`` for a transformers model's ``forward``: newer transformers take the cache as
+    ``cache`` (``past_key_values`` is deprecated there and removed in 5.40), older releases of the range
+    treespec allows only as ``past_key_values``. Read from the signature, once per model class."""
+    return {_cache_keyword(type(module)): cache}

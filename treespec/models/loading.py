@@ -63,6 +63,35 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+#: ``--device`` words: ``auto`` (CUDA where torch sees a GPU, else the CPU), ``cpu``, ``cuda``, ``cuda:N``
+DEVICE_WORDS = ("auto", "cpu", "cuda", "cuda:N")
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """The device a ``--device`` word names: ``auto`` (or None) is the first CUDA device where torch sees one, else
+    the CPU; ``cpu``, ``cuda`` and ``cuda:N`` are checked against what this torch and this machine have
+    (ValueError in one line naming the problem, before any model is loaded)."""
+    if device is None or device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, torch.device):
+        word = str(device)
+    else:
+        word = str(device).strip()
+    kind, _, index = word.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (not index.isdigit() or kind == "cpu")):
+        raise ValueError(f"unknown device {word!r}; expected one of {', '.join(DEVICE_WORDS)}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"device {word!r}: torch {torch.__version__} ({build}) sees no CUDA device here; "
+                         f"use --device cpu or auto")
+    n = torch.cuda.device_count()
+    if index and int(index) >= n:
+        raise ValueError(f"device {word!r}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+    return torch.device(f"cuda:{int(index) if index else 0}")
+
+
 def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """bf16 where the device computes it natively, else fp32."""
     device = torch.device(device)
@@ -411,9 +440,11 @@ def resolve_hub_id(name: str) -> str:
 def load_model(name_or_path: str = "embedded", *, dtype: str | torch.dtype | None = None,
                device: torch.device | str = "cpu"):
     """Any Hugging Face causal LM (local path or hub id: :func:`resolve_hub_id` fails at once when the hub cannot
-    be reached), or ``"embedded"`` for Gemma-3-270M; safetensors weights only (:func:`check_safetensors_weights`)."""
+    be reached), or ``"embedded"`` for Gemma-3-270M; safetensors weights only (:func:`check_safetensors_weights`).
+    ``device``: a device or a ``--device`` word (:func:`resolve_device`; ``auto``: CUDA where present)."""
     from transformers import AutoModelForCausalLM
 
+    device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     path = resolve_hub_id(name_or_path) if is_hub_id(name_or_path) else resolve_model_path(name_or_path)
     check_safetensors_weights(path)
@@ -441,7 +472,8 @@ def load_draft_model(spec: str, target, *, dtype: str | torch.dtype | None = Non
         return early_exit_model(target, layers)
     from .compat import check_vocab_sizes
 
-    draft = load_model(spec, dtype=dtype if dtype is not None else next(target.parameters()).dtype)
+    draft = load_model(spec, dtype=dtype if dtype is not None else next(target.parameters()).dtype,
+                       device=next(target.parameters()).device)
     check_vocab_sizes(target, draft)
     return draft
 

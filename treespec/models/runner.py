@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .features import check_feature_layers, hf_layer_outputs, join_features, num_decoder_layers
-from .kv_cache import TreeKVCache
+from .kv_cache import TreeKVCache, cache_kwargs
 
 from ..sampling import check_finite
 from ..tree import TokenTree
@@ -125,7 +125,8 @@ class CacheBook:
             visible[:m, base:base + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
             visible[m:, base:base + m] = True
         if n:
-            key_nodes = torch.tensor(self.slots + nodes.tolist(), dtype=torch.long, device=device)
+            # the earlier slots from the host, the new nodes as they are: no read-back of ``nodes``
+            key_nodes = torch.cat([torch.tensor(self.slots, dtype=torch.long, device=device), nodes.to(device)])
             visible[m:, base + m:] = self.tree.ancestor_mask[nodes][:, key_nodes]  # [n, slots + n]
         return visible
 
@@ -216,12 +217,16 @@ class TargetView(Protocol):
 
     ``model`` is the causal LM behind it (None for a GGUF target), ``length`` its committed entries
     (the committed sequence but the root), ``slots`` the tree nodes it holds uncommitted (empty
-    between steps). Every target runner has these; a drafter that needs the cache itself (an
+    between steps), ``device`` where its inputs live (a drafter builds its trees there: no copy per
+    step). Every target runner has these; a drafter that needs the cache itself (an
     early-exit draft reads the keys and values of the target's first layers) narrows to
     :class:`ModelRunner` first."""
 
     @property
     def model(self) -> PreTrainedModel | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
     @property
     def length(self) -> int: ...
@@ -423,7 +428,7 @@ class ModelRunner(HoldsCacheBook):
         mask = self._masks(book.visible_keys(nodes, m, n, base, past + m + n, self.device), q_pos, k_pos)
         out = self.model.base_model(
             input_ids=ids[None], attention_mask=mask, position_ids=q_pos[None],
-            past_key_values=self.cache, use_cache=True, output_hidden_states=bool(layers),
+            **cache_kwargs(self.model.base_model, self.cache), use_cache=True, output_hidden_states=bool(layers),
         )
         self.key_positions = k_pos
         last = out.last_hidden_state[0]  # [m + n, H]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..runner import ModelRunner
 from .gemma import FastGemmaRunner, fast_supported
+from .graphs import GraphedGemmaRunner
 from .quant import QUANTIZE_MODES
 
 
@@ -33,10 +34,16 @@ def make_runner(model, fast: bool = False, quantize: str | None = None) -> Model
 
 
 def choose_runner(model, choice: str = "auto", quantize: str = "none") -> ModelRunner:
-    """The target's runner for a ``--runner`` choice (``auto``: fast where it covers the model, ``fast``, ``eager``)
-    and a ``--quantize`` mode; ``fast`` and a quantisation refuse a model the fast path does not cover
+    """The target's runner for a ``--runner`` choice (``auto``: fast where it covers the model, ``fast``, ``eager``,
+    ``graphs``: the fast runner at fixed shapes, replayed as CUDA graphs on a GPU, :mod:`.graphs`) and a
+    ``--quantize`` mode; ``fast``, ``graphs`` and a quantisation refuse a model the fast path does not cover
     (ValueError naming the reason)."""
     reason = fast_supported(model)
+    if choice == "graphs":
+        if reason is not None or quantize != "none":
+            raise ValueError(f"--runner graphs: {reason or 'a quantised target runs on the CPU kernel'}; use "
+                             f"--runner fast, eager or auto")
+        return GraphedGemmaRunner(model)
     if quantize != "none":
         if reason is not None:
             raise ValueError(f"--quantize {quantize}: {reason}")
@@ -46,4 +53,5 @@ def choose_runner(model, choice: str = "auto", quantize: str = "none") -> ModelR
     return make_runner(model, fast=choice != "eager")
 
 
-__all__ = ["QUANTIZE_MODES", "FastGemmaRunner", "choose_runner", "fast_supported", "make_runner"]
+__all__ = ["QUANTIZE_MODES", "FastGemmaRunner", "GraphedGemmaRunner", "choose_runner", "fast_supported",
+           "make_runner"]

@@ -271,15 +271,17 @@ class FastGemmaRunner(ModelRunner):
         k_pos = kv.positions[:total]
         masks = self._masks(book.visible_keys(nodes, m, n, base, total, self.device), q_pos, k_pos)
         outputs: dict[int, torch.Tensor] = {}
-        hidden = self._body(ids, q_pos, masks, past, total, layers, outputs)
+        hidden = self._body(ids, q_pos, masks, slice(past, total), total, layers, outputs)
         kv.used = total
         features = join_features(outputs, hidden, layers) if layers else None
         return self._finish(hidden, base, m, nodes, need_logits, need_hidden, features, rows)
 
-    def _body(self, ids: torch.Tensor, q_pos: torch.Tensor, masks: dict, past: int, total: int,
+    def _body(self, ids: torch.Tensor, q_pos: torch.Tensor, masks: dict, slots: slice | torch.Tensor, keys: int,
               layers: tuple[int, ...] = (), outputs: dict | None = None) -> torch.Tensor:
-        """Embedding, decoder layers and final norm for ``ids`` at ``q_pos``; writes the cache and the
-        outputs of the decoder ``layers`` into ``outputs`` (layer index -> ``[Q, H]``)."""
+        """Embedding, decoder layers and final norm for ``ids`` at ``q_pos``: writes their keys and values into
+        the cache ``slots`` (a slice, or ``[Q]`` slot indices: the fixed-shape pass of :mod:`.graphs`), attends
+        over the first ``keys`` slots under ``masks`` (``[1, 1, groups * Q, keys]``), and puts the outputs of the
+        decoder ``layers`` into ``outputs`` (layer index -> ``[Q, H]``)."""
         q = ids.numel()
         heads, kvh, dim, g, eps = self.num_heads, self.kv_heads, self.head_dim, self.groups, self.eps
         qk_width = (heads + kvh) * dim
@@ -294,11 +296,11 @@ class FastGemmaRunner(ModelRunner):
             qk = _rms(qkv[:, :qk_width].view(q, heads + kvh, dim), w.norm_qk, eps)
             cos, sin_signed = rope[w.sliding]
             qk = qk * cos + _swap_halves(qk) * sin_signed
-            K[i, :, past:total] = qk[:, heads:].transpose(0, 1)
-            V[i, :, past:total] = qkv[:, qk_width:].view(q, kvh, dim).transpose(0, 1)
+            K[i, :, slots] = qk[:, heads:].transpose(0, 1)
+            V[i, :, slots] = qkv[:, qk_width:].view(q, kvh, dim).transpose(0, 1)
             # GQA folded: query row j * Q + t is head (kv * groups + j) of token t
             qf = qk[:, :heads].reshape(q, kvh, g, dim).permute(1, 2, 0, 3).reshape(1, kvh, g * q, dim)
-            att = F.scaled_dot_product_attention(qf, K[i, :, :total][None], V[i, :, :total][None],
+            att = F.scaled_dot_product_attention(qf, K[i, :, :keys][None], V[i, :, :keys][None],
                                                  attn_mask=masks[w.sliding], scale=self.scaling)
             att = att.view(kvh, g, q, dim).permute(2, 0, 1, 3).reshape(q, heads * dim)
             h = h + _rms(linear(att, w.o), w.norm_post_att, eps)

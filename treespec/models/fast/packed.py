@@ -18,12 +18,14 @@ from torch import nn
 @lru_cache(maxsize=1)
 def bf16_packing_supported() -> bool:
     """Whether oneDNN packs bf16 weights on this CPU: its bf16 path needs avx512bw/vl/dq or avx_ne_convert
-    (an AVX2-only AMD EPYC refused with a RuntimeError); found by packing a 16 x 16 weight once."""
+    (an AVX2-only AMD EPYC refused with a RuntimeError); found by packing a 16 x 16 weight once. The packing
+    ops are private to torch: a torch without them (AttributeError, NotImplementedError) packs nothing, and the
+    plain product runs."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
         pack_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except RuntimeError:
+    except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return True
 

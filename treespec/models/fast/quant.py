@@ -78,9 +78,25 @@ def check_int4_shape(out: int, inp: int, group: int = GROUP) -> str | None:
     return None
 
 
+#: torch's private int4 CPU ops that :func:`quantize_int4` and :func:`int4_linear` call
+INT4_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+
+
+def int4_kernel_missing() -> str | None:
+    """None where this torch has the int4 CPU kernel (:data:`INT4_OPS`), else why not, in words. The ops are
+    private and may move between torch releases; treespec's torch range is wider than one release."""
+    missing = [op for op in INT4_OPS if not hasattr(torch.ops.aten, op)]
+    if missing:
+        return f"torch {torch.__version__} has no {', '.join(missing)} (the int4 CPU kernel)"
+    return None
+
+
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype | None = None, group: int = GROUP) -> Int4Weight:
     """Quantise a ``[out, in]`` weight for :func:`int4_linear` (activations in ``dtype``, default the
-    weight's). Raises ValueError for shapes the kernel does not take."""
+    weight's). Raises ValueError for shapes the kernel does not take, or where this torch lacks it."""
+    missing = int4_kernel_missing()
+    if missing:
+        raise ValueError(f"cannot quantise to int4: {missing}")
     if w.device.type != "cpu":
         raise ValueError(f"int4 weights use torch's CPU kernel; the weight is on {w.device}")
     reason = check_int4_shape(*w.shape, group)

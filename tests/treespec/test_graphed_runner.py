@@ -1,0 +1,115 @@
+"""The fixed-shape passes of :class:`~treespec.models.fast.graphs.GraphedGemmaRunner` (what a CUDA graph records)
+compute the lean runner's function: logits of trees padded to budgets against
+:class:`~treespec.models.fast.FastGemmaRunner` (float32, atol 1e-5, sliding window crossed, a prefill longer than
+the largest budget, the cache growing mid-run), the caches after 40 random commits against the lean runner's
+(which ``test_fast_runner.py`` checks against a fresh eager prefill), greedy identity with a tree drafter and
+n-gram lookup, and no host synchronisation inside the fixed-shape pass (a capture would fail on one). A broken twin
+(each pass writes its keys and values one slot too far) must fail the logits comparison. The capture itself runs
+on CUDA only (``benchmarks/device_check.py``); here it is refused by name.
+"""
+
+import pytest
+import torch
+
+from sync_helpers import SyncCounter
+from treespec.drafting.ngram import NgramConfig, NgramDrafter
+from treespec.generate import GenerationConfig, generate
+from treespec.models.fast import FastGemmaRunner
+from treespec.models.fast.graphs import GraphedGemmaRunner, _StaticPass
+from treespec.models.tiny import tiny_model
+from treespec.sampling import SamplingConfig
+from treespec.tree import TokenTree
+from treespec.trees.grow import ShapeDrafter
+from treespec.trees.shape import TreeShape
+
+ATOL = 1e-5
+V = 64
+BUDGETS = (1, 2, 4, 8)
+
+
+def _tree(num_nodes: int, root: int, gen: torch.Generator) -> TokenTree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
+    tokens = [root] + torch.randint(0, V, (num_nodes - 1,), generator=gen).tolist()
+    return TokenTree.from_lists(parents, tokens)
+
+
+class SlotsOffByOne(GraphedGemmaRunner):
+    """Broken twin: the pass writes its keys and values one slot too far (over the next pass's first slot)."""
+
+    def _fill(self, step, ids, q_pos, visible, past, total):
+        super()._fill(step, ids, q_pos, visible, past, total)
+        step.slots.add_(1)
+
+
+def _run_steps(runner, model, steps: int, seed: int) -> list[torch.Tensor]:
+    """A 21-token prefill (longer than the largest budget), then ``steps`` random trees of 1..8 nodes, each
+    committed along a random path; the logits of every pass."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, V, (21,), generator=gen).tolist()
+    out = [runner.forward(None, None, torch.tensor(seq[:-1]))["logits"]]
+    for _ in range(steps):
+        tree = _tree(int(torch.randint(1, 9, (1,), generator=gen)), seq[-1], gen)
+        out.append(runner.forward(tree, torch.arange(tree.num_nodes))["logits"])
+        path = tree.root_path(int(torch.randint(0, tree.num_nodes, (1,), generator=gen)))
+        runner.commit(path)
+        seq.extend(tree.tokens[path[1:]].tolist())
+        seq.append(int(torch.randint(0, V, (1,), generator=gen)))
+    return out
+
+
+@pytest.mark.parametrize("capacity", [16, 256])  # 16: the cache grows (and the passes are rebuilt) mid-run
+def test_fixed_shape_passes_equal_the_lean_runner(capacity):
+    model = tiny_model("gemma3", V, seed=0, num_layers=4)
+    graphed = GraphedGemmaRunner(model, capacity=capacity, budgets=BUDGETS, capture=False)
+    graphed.kv._allocate(capacity)  # start below 2 x the largest budget, so that the cache must grow
+    lean = FastGemmaRunner(model)
+    for mine, ref in zip(_run_steps(graphed, model, 40, seed=3), _run_steps(lean, model, 40, seed=3)):
+        torch.testing.assert_close(mine, ref, atol=ATOL, rtol=0)
+    assert graphed.length == lean.length and graphed.cache_length == lean.cache_length
+    for i in range(graphed.kv.k.shape[0]):
+        used = graphed.cache_length
+        torch.testing.assert_close(graphed.kv.k[i, :, :used], lean.kv.k[i, :, :used], atol=ATOL, rtol=0)
+        torch.testing.assert_close(graphed.kv.v[i, :, :used], lean.kv.v[i, :, :used], atol=ATOL, rtol=0)
+
+
+def test_broken_slots_twin_fails():
+    model = tiny_model("gemma3", V, seed=0, num_layers=4)
+    broken = SlotsOffByOne(model, budgets=BUDGETS, capture=False)
+    lean = FastGemmaRunner(model)
+    diffs = [float((a - b).abs().max()) for a, b in zip(_run_steps(broken, model, 20, seed=3),
+                                                        _run_steps(lean, model, 20, seed=3))]
+    assert max(diffs) > 1e-2
+
+
+@pytest.mark.parametrize("draft", ["tree", "ngram"])
+def test_greedy_identity(draft):
+    model = tiny_model("gemma3", V, seed=0, logit_scale=8)
+    drafter = (ShapeDrafter(tiny_model("gemma3", V, seed=1, logit_scale=8), TreeShape.widths((2, 2, 1)), "iid")
+               if draft == "tree" else NgramDrafter(NgramConfig(depth=5, branches=3)))
+    cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(0.0), stop_on_eos=False)
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5]
+    runner = GraphedGemmaRunner(model, budgets=BUDGETS, capture=False)
+    assert generate(runner, prompt, drafter, cfg).token_ids == generate(model, prompt, None, cfg).token_ids
+
+
+def test_no_host_sync_inside_the_fixed_shape_pass():
+    """What a CUDA graph records must not read a device value back (the capture would fail there)."""
+    model = tiny_model("gemma3", V, seed=0, num_layers=2)
+    runner = GraphedGemmaRunner(model, budgets=BUDGETS, capture=False)
+    runner.forward(None, None, torch.arange(1, 12))
+    step = _StaticPass(runner, 8)
+    with SyncCounter() as count:
+        hidden = runner._static_body(step)
+    assert hidden.shape == (8, model.config.hidden_size)
+    assert count.total == 0, dict(count.kinds)
+
+
+def test_capture_needs_cuda_and_budgets_are_checked():
+    model = tiny_model("gemma3", V, seed=0, num_layers=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+            GraphedGemmaRunner(model, capture=True)
+    assert GraphedGemmaRunner(model).capture is False  # a CPU model: fixed shapes, no graphs
+    for budgets in ((4, 2), (0, 1), (2, 2)):
+        with pytest.raises(ValueError, match="budgets must be"):
+            GraphedGemmaRunner(model, budgets=budgets)
