@@ -1,4 +1,5 @@
-"""Tokens per target pass of the shipped head's chain under each chain verifier, paired per prompt.
+"""Tokens per target pass of the shipped head's i.i.d. draft (a chain, or a tree with ``--tree``) under each
+verifier that takes it, paired per prompt.
 
 The embedded Gemma-3-270M generates on tuning prompts (../shared/data/train, never the eval set) with the shipped
 head's sampled-temperature settings (a chain drawn i.i.d. from q, stopped by the head's confidence), once per
@@ -71,7 +72,9 @@ def summarise(rows: list[dict], verifiers: list[str]) -> list[dict]:
 
 
 def render(summary: list[dict], prov: dict, args: argparse.Namespace, base: str) -> str:
-    lines = [f"# Chain verifiers: tokens per target pass (commit {prov['commit_short']})", "",
+    shape = "a chain" if args.tree is None or "," not in args.tree else f"the tree {args.tree}"
+    lines = [f"# Verifiers of the head's i.i.d. draft ({shape}): tokens per target pass "
+             f"(commit {prov['commit_short']})", "",
              f"- Command: `{prov['command']['shell']}`",
              f"- Machine: {host_name(prov['machine'])}", f"- dtype {args.dtype}; the shipped head's sampled "
              f"settings (tree {args.tree or 'default'}); {summary[0]['prompts']} tuning prompts x {args.max_new_tokens} new tokens; seed 1000 + prompt "
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--tree); the first is the baseline of the ratios (default: single block)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default float32")
     ap.add_argument("--tag", default="chain-verifiers", help="results folder suffix (default chain-verifiers)")
-    ap.add_argument("--tree", default=None, help="chain length of the head, e.g. 6 (default: the shipped head's)")
+    ap.add_argument("--tree", default=None, help="the head's shape: a chain length, e.g. 6, or per-depth widths, e.g. "
+                                                 "2,2,1 (default: the shipped head's chain)")
     add_output_args(ap)
     args = ap.parse_args(argv)
     from treespec.models.loading import load_model, load_tokenizer
