@@ -64,11 +64,12 @@ class TokenTree:
             raise ValueError("parents and tokens must live on the same device")
         # One host sync at construction: trees are built on the host side of the loop anyway.
         idx = torch.arange(self.parents.numel(), device=self.parents.device)
-        if int(self.parents[0]) != -1:
-            raise ValueError("node 0 must be the root (parents[0] == -1)")
+        rooted = self.parents[0] == -1
         ordered = ((self.parents[1:] >= 0) & (self.parents[1:] < idx[1:])).all()
         valid_ids = (self.tokens >= 0).all()
-        ordered, valid_ids = torch.stack([ordered, valid_ids]).tolist()
+        rooted, ordered, valid_ids = torch.stack([rooted, ordered, valid_ids]).tolist()
+        if not rooted:
+            raise ValueError("node 0 must be the root (parents[0] == -1)")
         if not ordered:
             raise ValueError("every non-root node needs a parent with a smaller index (topological order)")
         if not valid_ids:

@@ -110,10 +110,9 @@ class GraphedGemmaRunner(FastGemmaRunner):
         base = book.length
         m, n, ids, q_pos = book.inputs(tree, nodes, chain, self.device)
         past, total = kv.used, kv.used + m + n
-        capacity = kv.capacity
         kv.reserve(past + budget)  # padding rows write past the real ones
-        if kv.capacity != capacity:
-            self._passes = {}  # the cache buffers moved: every graph read the old ones
+        if any(capacity != kv.capacity for _, capacity in self._passes):
+            self._passes = {}  # the cache grew (here or in a long prefill): every graph read the old buffers
         key = (budget, kv.capacity)
         step = self._passes.get(key)
         if step is None:
