@@ -82,15 +82,26 @@ def test_committed_cache_equals_fresh_prefill(device):
         torch.testing.assert_close(mine.values, ref.values, atol=ATOL, rtol=0)
 
 
+def _head(model):
+    """A random EAGLE-style head for ``model`` (made on the CPU, moved to the target's device by ``new_head``)."""
+    from treespec.drafting.head import new_head
+
+    return new_head(model, torch.arange(model.config.vocab_size), num_heads=2, seed=1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("draft", ["chain4", "tree221", "ngram"])
+@pytest.mark.parametrize("draft", ["chain4", "tree221", "ngram", "head_chain", "head_dyspec"])
 def test_greedy_output_identical_to_plain(device, draft):
     """Temperature 0 on ``device``: tree speculation gives plain decoding's tokens, and plain decoding gives Hugging
-    Face ``generate``'s."""
+    Face ``generate``'s; drafts from a model, n-gram lookup and a head (a chain, and a DySpec tree)."""
+    from treespec.drafters import build_tree_drafter
+
     model = tiny_model("gemma3", 64, seed=0, logit_scale=8).to(device)
     drafts = {
-        "chain4": lambda: ShapeDrafter(tiny_model("gemma3", 64, seed=1, logit_scale=8).to(device), TreeShape.chain(4),
-                                       "iid"),
+        "head_chain": lambda: ShapeDrafter(_head(model), TreeShape.chain(3), "iid"),
+        "head_dyspec": lambda: build_tree_drafter("dyspec", _head(model), 8, vocab=64, max_depth=4),
+        "chain4": lambda: ShapeDrafter(tiny_model("gemma3", 64, seed=1, logit_scale=8).to(device),
+                                       TreeShape.chain(4), "iid"),
         "tree221": lambda: ShapeDrafter(tiny_model("gemma3", 64, seed=1, logit_scale=8).to(device),
                                         TreeShape.widths((2, 2, 1)), "iid"),
         "ngram": lambda: NgramDrafter(NgramConfig(depth=5, branches=3)),
@@ -101,7 +112,11 @@ def test_greedy_output_identical_to_plain(device, draft):
     hf = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
                         attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
     assert plain == hf
-    assert generate(model, prompt, drafts[draft](), GREEDY).token_ids == plain
+    drafter = drafts[draft]()
+    assert generate(model, prompt, drafter, GREEDY).token_ids == plain
+    runner = getattr(drafter, "runner", None)
+    if runner is not None:  # the draft computes where the target does
+        assert torch.device(runner.device).type == torch.device(device).type
 
 
 V = 6
@@ -233,6 +248,21 @@ def test_missing_private_cpu_ops_are_detected(monkeypatch):
         assert packed.prepack_default(torch.bfloat16, "cpu") is False
     finally:
         packed.bf16_packing_supported.cache_clear()
+
+
+def test_head_files_load_on_the_targets_device(tmp_path):
+    """A head file loads where its target computes (a GPU target's head on the GPU), unless told otherwise."""
+    from treespec.drafting.head import EagleHead
+
+    model = tiny_model("llama", 64, seed=0)
+    path = tmp_path / "head.safetensors"
+    _head(model).save(path)
+    assert EagleHead.load(path, model).lm_rows.device == torch.device("cpu")
+    meta = EagleHead.load(path, None, device="meta")
+    assert next(meta.parameters()).device == torch.device("meta")
+    if torch.cuda.is_available():
+        loaded = EagleHead.load(path, model.to("cuda"))
+        assert {p.device.type for p in loaded.parameters()} == {"cuda"} and loaded.lm_rows.device.type == "cuda"
 
 
 def test_ngram_trees_are_built_on_the_targets_device():

@@ -302,4 +302,4 @@ def new_head(target, vocab_ids: torch.Tensor, *, num_heads: int = 8, head_dim: i
                 nn.init.normal_(mod.weight, std=0.02)
         head.layer.o.weight.mul_(0.1)
         head.layer.down.weight.mul_(0.1)
-    return head.attach(target)
+    return head.to(next(target.parameters()).device).attach(target)

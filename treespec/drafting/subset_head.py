@@ -152,8 +152,11 @@ class SubsetHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, target=None, *, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> "SubsetHead":
-        """A head from its file, attached to ``target`` when given."""
+             device: torch.device | str | None = None) -> "SubsetHead":
+        """A head from its file, attached to ``target`` when given; on ``device``, by default the target's
+        (the CPU without one)."""
+        if device is None:
+            device = _target_device(target)
         config, state, vocab_ids, extra = read_weights(path, fmt=cls.FORMAT, what=cls.FILE_WHAT)
         head = build_checked(path, cls.FILE_WHAT, cls.CONFIG, config, state, lambda cfg: cls(cfg, vocab_ids))
         head.load_state_dict({k: v.to(dtype) for k, v in state.items()})
@@ -166,3 +169,11 @@ class SubsetHead(nn.Module):
     @property
     def num_trained_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _target_device(target) -> torch.device:
+    """Where ``target`` (a causal LM, its runner, or None) computes; the CPU for None."""
+    if target is None:
+        return torch.device("cpu")
+    model = getattr(target, "model", None) if not isinstance(target, torch.nn.Module) else target
+    return next(model.parameters()).device if model is not None else torch.device("cpu")
