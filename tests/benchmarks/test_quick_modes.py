@@ -232,3 +232,18 @@ def test_head_ablation_starts_every_variant_from_the_head(tmp_path, monkeypatch)
     assert [str(c[1]) for c in calls] == [str(tmp_path / "start.safetensors")] * 2
     assert all(c[0].depths == 3 and c[0].lr == 5e-4 and c[0].warmup == 1 for c in calls)
     assert [c[0].w_tv for c in calls] == [0.0, 1.0]
+
+
+@pytest.mark.gemma
+def test_sampling_cost_quick(tmp_path):
+    """benchmarks/sampling_cost.py: the filter timings and the paired plain-decoding table, in one round."""
+    from benchmarks import sampling_cost
+
+    out = tmp_path / "cost"
+    assert sampling_cost.main(["--per-category", "1", "--new-tokens", "3", "--rounds", "1", "--threads", "1",
+                               "--dtype", "float32", "--allow-dirty", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [f["filter"] for f in res["filters"]] == [name for name, *_ in sampling_cost.FILTERS]
+    assert all(f["median_ms"] > 0 for f in res["filters"])
+    assert {r["setting"] for r in res["summary"]} == {name for name, *_ in sampling_cost.SETTINGS}
+    assert res["summary"][0]["ratio_median"] == 1.0 and "| T=0.7 top-p 0.95 |" in (out / "table.md").read_text()
