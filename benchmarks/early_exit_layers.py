@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import SHARED, add_output_args, finish, open_results, require_shared, write_json  # noqa: E402
 from treespec.distill.inputs import read_prompt_texts  # noqa: E402
 from treespec.trees.sequoia import HardwareProfile  # noqa: E402
-from treespec.models.kv_cache import cache_kwargs  # noqa: E402
+from treespec.models.kv_cache import cache_kwargs, output_cache  # noqa: E402
 
 TRAIN = SHARED / "data" / "train" / "train_prompts.jsonl"
 
@@ -47,7 +47,7 @@ def step_cost(model, ids: list[int], repeats: int) -> float:
     times = []
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
+        past = output_cache(out)
         nxt = torch.tensor([[int(out.logits[0, -1].argmax())]])
         for _ in range(repeats + 1):
             t0 = time.perf_counter()

@@ -117,7 +117,7 @@ def _prompt_logits(target, draft, ids: list[int], depths: int,
                    is_head: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Teacher-forced logits of one prompt: the target's ``[R, V]``, the draft's per depth (``depths`` tensors
     ``[R, V_draft]``) and the text token each row predicts ``[R']`` (``R' <= R``)."""
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=next(target.parameters()).device)
     if is_head:  # the head reads the target's hidden states (rows = positions 1..L-1)
         t_logits, per_depth = draft.depth_logits(target, x, depths)
         return t_logits, per_depth, x[0, 2:]  # the text token each row predicts
@@ -195,7 +195,8 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def _time_tree_pass(runner, tokens: int, repeats: int, vocab: int) -> float:
-    tree = TokenTree.from_lists([-1] + [0] * (tokens - 1), [t % vocab for t in range(1, tokens + 1)])
+    tree = TokenTree.from_lists([-1] + [0] * (tokens - 1), [t % vocab for t in range(1, tokens + 1)],
+                                device=runner.device)
     nodes = torch.arange(tokens, device=runner.device)
     times = []
     for _ in range(repeats):

@@ -276,9 +276,11 @@ def _check_args(args: argparse.Namespace) -> None:
     device = resolve_cli_device(args)
     if target_kind(args.target) == "gguf":
         _check_gguf_args(args)
-    elif args.quantize != "none" and device.type != "cpu":
-        raise CliInputError(f"--quantize {args.quantize} runs on torch's int4 CPU kernel; this run's device is "
-                            f"{device} (use --device cpu)")
+    elif device.type != "cpu":
+        for flag, mode in (("--quantize", args.quantize), ("--draft-quantize", args.draft_quantize)):
+            if mode not in ("none", "auto"):
+                raise CliInputError(f"{flag} {mode} runs on torch's int4 CPU kernel; this run's device is {device} "
+                                    f"(use --device cpu)")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -410,7 +412,7 @@ def _engine_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                    help="where a PyTorch target (and its draft) runs: auto (default) = the first CUDA GPU where "
                         "torch sees one, else the CPU; --dtype auto is then bf16 where the GPU computes it, else "
-                        "fp16. A GGUF target runs in llama.cpp on the CPU")
+                        "fp32. A GGUF target runs in llama.cpp on the CPU")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads of torch and of llama.cpp (default: torch's own setting, one per physical "
                         "core)")
@@ -418,8 +420,8 @@ def _engine_arguments(g: argparse.ArgumentParser) -> None:
                    help="target forward: 'fast' = lean Gemma-3 forward over a static cache (the same function, "
                         "tested against the eager one), 'eager' = the Hugging Face module, 'graphs' = the fast "
                         "forward at a few fixed shapes, replayed as CUDA graphs on a GPU (fewer kernel launches; "
-                        "on a CPU the same passes without graphs), 'auto' (default) = fast where it covers the "
-                        "model")
+                        "on a CPU the same passes without graphs, slower than fast), 'auto' (default) = fast "
+                        "where it covers the model")
     g.add_argument("--quantize", choices=["none", *QUANTIZE_MODES], default="none",
                    help="none (default): the target's own weights; int4: the target's linear layers (LM head "
                         "included) run on 4-bit weights (groups of 32, "

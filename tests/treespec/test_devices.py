@@ -35,10 +35,10 @@ ATOL = 1e-4
 GREEDY = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.0), stop_on_eos=False)
 
 
-def _tree(num_nodes: int, root: int, vocab: int, gen: torch.Generator) -> TokenTree:
+def _tree(num_nodes: int, root: int, vocab: int, gen: torch.Generator, device: str) -> TokenTree:
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
     tokens = [root] + torch.randint(0, vocab, (num_nodes - 1,), generator=gen).tolist()
-    return TokenTree.from_lists(parents, tokens)
+    return TokenTree.from_lists(parents, tokens, device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -51,11 +51,11 @@ def test_tree_pass_equals_per_path_forwards(device, arch):
     seq = torch.randint(0, 64, (21,), generator=gen).to(device)
     runner = ModelRunner(model)
     runner.forward(None, None, seq[:-1])
-    tree = _tree(12, int(seq[-1]), 64, gen)
+    tree = _tree(12, int(seq[-1]), 64, gen, device)
     logits = runner.forward(tree, torch.arange(tree.num_nodes, device=device))["logits"]  # [12, V]
     assert logits.device.type == torch.device(device).type
     for node in range(tree.num_nodes):
-        path_ids = torch.cat([seq[:-1], tree.tokens[tree.root_path(node)].to(device)])
+        path_ids = torch.cat([seq[:-1], tree.tokens[tree.root_path(node)]])
         reference = model(path_ids[None]).logits[0, -1].float()
         torch.testing.assert_close(logits[node], reference, atol=ATOL, rtol=0)
 
@@ -69,7 +69,7 @@ def test_committed_cache_equals_fresh_prefill(device):
     seq = torch.randint(0, 64, (5,), generator=gen).tolist()
     runner.forward(None, None, torch.tensor(seq[:-1], device=device))
     for _ in range(30):
-        tree = _tree(int(torch.randint(1, 8, (1,), generator=gen)), seq[-1], 64, gen)
+        tree = _tree(int(torch.randint(1, 8, (1,), generator=gen)), seq[-1], 64, gen, device)
         runner.forward(tree, torch.arange(tree.num_nodes, device=device))
         path = tree.root_path(int(torch.randint(0, tree.num_nodes, (1,), generator=gen)))
         runner.commit(path)
@@ -158,8 +158,7 @@ def _counts(target, make_drafter, sampling: SamplingConfig) -> dict[tuple[int, i
 def test_sampled_law_is_the_targets(device, broken):
     """T = 1, trees of widths (3, 2) verified by recursive rejection sampling on ``device``: the law of the first two
     tokens is the target's (G test); the twin's is not."""
-    pytest.importorskip("scipy", reason="the G test's p-value needs scipy")
-    from stats_helpers import g_test_law
+    from stats_helpers import g_test_law  # its p-value runs without scipy too (the device check's machines)
 
     sampling = SamplingConfig(1.0)
     target = tiny_model("llama", V, seed=0, logit_scale=6.0).to(device)
@@ -171,6 +170,20 @@ def test_sampled_law_is_the_targets(device, broken):
         assert p < ALPHA, f"the broken twin passed (p = {p:.3g})"
     else:
         assert p > ALPHA, f"p = {p:.3g}"
+
+
+def test_g_test_p_value_without_scipy_equals_scipys(monkeypatch):
+    """The G test's chi-square tail from torch (where scipy is absent) is scipy's."""
+    import sys
+
+    import stats_helpers
+
+    pytest.importorskip("scipy")
+    cases = [(0.5, 1), (3.2, 4), (35.0, 10), (80.0, 20), (200.0, 35)]
+    with_scipy = [stats_helpers.chi2_sf(g, df) for g, df in cases]
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    without = [stats_helpers.chi2_sf(g, df) for g, df in cases]
+    assert without == pytest.approx(with_scipy, rel=1e-9, abs=1e-300)
 
 
 # ---------------------------------------------------------------------- the device plumbing
@@ -215,8 +228,9 @@ def test_cli_refuses_a_device_it_cannot_use(monkeypatch, capsys):
 def test_torch_requirement_keeps_a_users_cuda_build():
     """pyproject's torch requirement is a range that a CUDA build of any release in it satisfies (pip then keeps
     the installed torch), and that rejects releases below transformers' floor."""
-    import tomllib
     from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
     from packaging.requirements import Requirement
 

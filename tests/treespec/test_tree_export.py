@@ -256,3 +256,13 @@ def test_bench_trees_keeps_serving_settings():
     assert row["serving"]["vllm"]["settings"]["num_speculative_tokens"] == 20
     assert row["serving"]["sglang"]["settings"] == settings(3, 8, 21)
     assert bench_trees.serving_of(object()) is None  # dynamic builders: no fixed shape
+
+
+def test_sglang_deep_tree_with_full_candidate_count_is_approximate():
+    """Depth 3, top-k 2: SGLang's 10 candidates have this tree's size, but which depth-2 nodes it expands depends
+    on the draft's scores at every step, so the verified tree is not always this one."""
+    paths = [(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    out = sglang_export(TreeShape.from_paths(paths))
+    assert out.settings == {"speculative_num_steps": 3, "speculative_eagle_topk": 2,
+                            "speculative_num_draft_tokens": 11}
+    assert not out.exact and "approximate" in out.note

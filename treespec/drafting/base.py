@@ -120,7 +120,7 @@ class NoDrafter:
         pass
 
     def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        return Draft(TokenTree.chain(state.tokens[-1], []))
+        return Draft(TokenTree.chain(state.tokens[-1], [], device=tree_device(state, None)))
 
     def accept(self, result: VerifyResult, emitted: list[int]) -> None:
         pass

@@ -102,6 +102,13 @@ def _cache_keyword(forward_type: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def output_cache(output) -> Cache:
+    """The cache a transformers model's output carries: ``output.cache`` in newer releases (where
+    ``past_key_values`` is a deprecated alias), ``output.past_key_values`` in older ones."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def cache_kwargs(module: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
     """``{keyword: cache}`` for a transformers model's ``forward``: newer transformers take the cache as
     ``cache`` (``past_key_values`` is deprecated there and removed in 5.40), older releases of the range

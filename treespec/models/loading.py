@@ -93,10 +93,11 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    """bf16 where the device computes it natively, else fp32."""
+    """bf16 where the device computes it natively, else fp32 (not fp16 on an older GPU: Gemma-3's activations
+    overflow fp16)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if cpu_supports_bf16() else torch.float32
 
 

@@ -100,6 +100,9 @@ class CacheBook:
         chain right after the committed prefix, tree nodes at their depth past the root's position.
         ``chain`` ``[m]`` token ids and ``nodes`` ``[n]`` node indices of ``tree``, each or None."""
         base = self.length
+        if tree is not None and tree.device != torch.device(device):
+            raise ValueError(f"the tree is on {tree.device} and the runner on {device}: build trees on the target "
+                             f"runner's device (TokenTree.to)")
         m, n = self.begin(tree, nodes, chain)
         ids_parts, pos_parts = [], []
         if m:

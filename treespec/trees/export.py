@@ -269,7 +269,9 @@ def sglang_export(tree: TreeShape | Sequence[int]) -> EngineSettings:
     settings = {"speculative_num_steps": steps, "speculative_eagle_topk": topk,
                 "speculative_num_draft_tokens": drafted + 1}
     candidates = topk + (steps - 1) * topk * topk
-    exact = candidates == drafted
+    # the candidates are the shape only when SGLang has no choice to make: a chain (topk 1), or depth <= 2, where
+    # it expands every depth-1 node; deeper, it expands the best topk nodes of a depth by draft score, which vary
+    exact = candidates == drafted and (topk == 1 or steps <= 2)
     if exact:
         note = (f"exact: SGLang's {candidates} candidates are this tree, so it verifies exactly this shape "
                 "at every step")

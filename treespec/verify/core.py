@@ -235,7 +235,7 @@ def target_rows(tree: TokenTree, target_probs: torch.Tensor) -> torch.Tensor:
 def at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``values[index]`` for a 0-d index tensor, without the host sync of ``values[index]`` (which reads a 0-d
     index back as a Python int): ``values`` ``[n, ...]`` -> ``[...]``."""
-    return values.index_select(0, index.reshape(1)).squeeze(0)
+    return values.index_select(0, index.reshape(1).to(values.device)).squeeze(0)
 
 
 def _walk(tree: TokenTree, next_node: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,10 @@ class GraphedGemmaRunner(FastGemmaRunner):
         m = 0 if chain is None else chain.numel()
         n = 0 if nodes is None else nodes.numel()
         budget = self._budget(m + n)
-        if budget is None or layers:  # a long prefill, or earlier layers' outputs: the lean runner's own pass
+        limit = kv.max_capacity
+        if budget is None or layers or (limit is not None and kv.used + budget > limit):
+            # a long prefill, earlier layers' outputs, or padding that would pass the cache's limit near the model's
+            # longest context: the lean runner's own pass (the same function)
             return super()._forward_piece(tree, nodes, chain, need_logits, need_hidden, layers, rows)
         base = book.length
         m, n, ids, q_pos = book.inputs(tree, nodes, chain, self.device)
@@ -118,6 +121,8 @@ class GraphedGemmaRunner(FastGemmaRunner):
         if step is None:
             step = self._passes[key] = _StaticPass(self, budget)
         self._fill(step, ids, q_pos, book.visible_keys(nodes, m, n, base, total, self.device), past, total)
+        # every graph shares one memory pool and they replay in any order: a replay may overwrite another graph's
+        # output buffer, so the rows are copied out (clone, below) before any other pass runs
         hidden = step.run(self, self.capture)[: m + n]  # [m + n, H]
         kv.positions[past:total] = q_pos
         kv.used = total
