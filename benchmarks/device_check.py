@@ -214,7 +214,8 @@ def drafters(model, prompts: list[list[int]], quick: bool) -> dict:
         head = load_default_head(model)
     head.for_inference(model.dtype)
     acc = {t: measure_acceptance_vector(model, head, prompts, SamplingConfig(t), width=4, depths=1,
-                                        generator=torch.Generator().manual_seed(0)).rows for t in (0.0, 1.0)}
+                                        generator=torch.Generator(model.device).manual_seed(0)).rows
+           for t in (0.0, 1.0)}
     budget, depth = (6, 3) if quick else (16, 6)
     return {
         "plain": lambda t: None,
