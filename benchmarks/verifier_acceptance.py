@@ -1,5 +1,5 @@
-"""Tokens per target pass of the shipped head's i.i.d. draft (a chain, or a tree with ``--tree``) under each
-verifier that takes it, paired per prompt.
+"""Tokens per target pass of the shipped head's draft (a chain, or a tree with ``--tree``; i.i.d., or under another
+draft law with ``LAW/VERIFIER``) under each verifier that takes it, paired per prompt.
 
 The embedded Gemma-3-270M generates on tuning prompts (../shared/data/train, never the eval set) with the shipped
 head's sampled-temperature settings (a chain drawn i.i.d. from q, stopped by the head's confidence), once per
@@ -26,6 +26,12 @@ from benchmarks.common import (add_output_args, bootstrap_ci, finish, host_name,
 SETTINGS = (("T=1", 1.0, 1.0), ("T=0.7/top-p 0.95", 0.7, 0.95))
 
 
+def split_variant(variant: str) -> tuple[str, str]:
+    """``"law/verifier"`` (e.g. ``greedy_draft/greedy_draft``) or a verifier name alone (drafted i.i.d.)."""
+    law, _, name = variant.rpartition("/")
+    return law or "iid", name
+
+
 def measure(model, tok, prompts: list[dict], verifiers: list[str], max_new: int, dtype: str,
             tree: tuple[int, ...] | None) -> list[dict]:
     """One generation per (setting, prompt, verifier); rows with tokens and target passes."""
@@ -35,13 +41,19 @@ def measure(model, tok, prompts: list[dict], verifiers: list[str], max_new: int,
 
     rows = []
     for label, temperature, top_p in SETTINGS:
-        drafter = build_drafter("head", model, DraftOptions(tree=tree), temperature=temperature, tokenizer=tok, dtype=dtype)
+        drafters = {}  # one drafter per draft law: "law/verifier" variants draft under their own law
+        for variant in verifiers:
+            law, _ = split_variant(variant)
+            if law not in drafters:
+                drafters[law] = build_drafter("head", model, DraftOptions(tree=tree, law=law), temperature=temperature,
+                                              tokenizer=tok, dtype=dtype)
         for i, prompt in enumerate(prompts):
             ids = tok(prompt["prompt"])["input_ids"]
             for verifier in verifiers:
+                law, name = split_variant(verifier)
                 cfg = GenerationConfig(max_new_tokens=max_new, sampling=SamplingConfig(temperature, top_p=top_p),
-                                       seed=1000 + i, stop_on_eos=False, verifier=verifier)
-                res = generate(model, ids, drafter, cfg)
+                                       seed=1000 + i, stop_on_eos=False, verifier=name)
+                res = generate(model, ids, drafters[law], cfg)
                 calls = res.summary()["target_calls"]
                 rows.append({"setting": label, "prompt_id": prompt["id"], "verifier": verifier,
                              "tokens": len(res.token_ids), "target_calls": calls,
@@ -73,7 +85,7 @@ def summarise(rows: list[dict], verifiers: list[str]) -> list[dict]:
 
 def render(summary: list[dict], prov: dict, args: argparse.Namespace, base: str) -> str:
     shape = "a chain" if args.tree is None or "," not in args.tree else f"the tree {args.tree}"
-    lines = [f"# Verifiers of the head's i.i.d. draft ({shape}): tokens per target pass "
+    lines = [f"# Draft laws and verifiers of the head's draft ({shape}): tokens per target pass "
              f"(commit {prov['commit_short']})", "",
              f"- Command: `{prov['command']['shell']}`",
              f"- Machine: {host_name(prov['machine'])}", f"- dtype {args.dtype}; the shipped head's sampled "
@@ -94,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     ap.add_argument("--verifiers", nargs="+", default=["single", "block"],
                     help="verifiers of the head's i.i.d. draft: single and block (chains), rrs and traversal (any "
-                         "--tree); the first is the baseline of the ratios (default: single block)")
+                         "--tree); or LAW/VERIFIER to draft under another law, e.g. greedy_draft/greedy_draft or "
+                         "without_replacement/rrs_without_replacement; the first is the baseline of the ratios "
+                         "(default: single block)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default float32")
     ap.add_argument("--tag", default="chain-verifiers", help="results folder suffix (default chain-verifiers)")
     ap.add_argument("--tree", default=None, help="the head's shape: a chain length, e.g. 6, or per-depth widths, e.g. "
