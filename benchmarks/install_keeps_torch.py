@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-version", default="2.11.0+cu126", help="the user's CUDA torch (default: %(default)s)")
     add_output_args(ap)
     args = ap.parse_args(argv)
-    folder = open_results_from_args("install", args, tag="keeps-torch")
+    folder, _ = open_results_from_args("install", args, tag="keeps-torch")
     with tempfile.TemporaryDirectory() as tmp:
         env_dir = Path(tmp) / "env"
         venv.create(env_dir, with_pip=True)
