@@ -18,8 +18,11 @@ def test_draft_state_and_runners_offer_what_the_protocols_name():
     assert _members(DraftObservation) == {"tokens", "max_depth", "target_hidden", "target_runner"}
     assert all(hasattr(state, name) for name in _members(DraftObservation))
     runner = ModelRunner(tiny_model("llama", vocab_size=32, seed=0))
-    assert _members(TargetView) == {"model", "length", "slots"}
+    assert _members(TargetView) == {"model", "device", "length", "slots"}
     assert all(hasattr(runner, name) for name in _members(TargetView))
+    from treespec.models.llama_cpp import LlamaCppRunner
+
+    assert LlamaCppRunner.device == torch.device("cpu")  # the GGUF target's drafters build their trees there
 
 
 def test_head_and_its_runner_import_one_way():
