@@ -3,7 +3,8 @@ compute the lean runner's function: logits of trees padded to budgets against
 :class:`~treespec.models.fast.FastGemmaRunner` (float32, atol 1e-5, sliding window crossed, a prefill longer than
 the largest budget, the cache growing mid-run), the caches after 40 random commits against the lean runner's
 (which ``test_fast_runner.py`` checks against a fresh eager prefill), greedy identity with a tree drafter and
-n-gram lookup, and no host synchronisation inside the fixed-shape pass (a capture would fail on one). A broken twin
+n-gram lookup, no host synchronisation inside the fixed-shape pass (a capture would fail on one) and no tensor made
+there off the runner's device. A broken twin
 (each pass writes its keys and values one slot too far) must fail the logits comparison. The capture itself runs
 on CUDA only (``benchmarks/device_check.py``); here it is refused by name.
 """
@@ -112,3 +113,27 @@ def test_capture_needs_cuda_and_budgets_are_checked():
     for budgets in ((4, 2), (0, 1), (2, 2)):
         with pytest.raises(ValueError, match="budgets must be"):
             GraphedGemmaRunner(model, budgets=budgets)
+
+
+def test_every_tensor_made_inside_the_pass_is_made_on_the_runners_device():
+    """A CUDA graph records only device work: a tensor made inside the pass without the runner's device (a CPU
+    tensor on a GPU run) would break the capture. Under a default device of ``meta`` such a tensor is a meta
+    tensor, which cannot meet the runner's (CPU) tensors; the pass must still give the same output. A twin that
+    makes one tensor without a device fails."""
+    model = tiny_model("gemma3", V, seed=0, num_layers=2)
+    runner = GraphedGemmaRunner(model, budgets=BUDGETS, capture=False)
+    runner.forward(None, None, torch.arange(1, 12))
+    step = _StaticPass(runner, 8)
+    expected = runner._static_body(step)
+    with torch.device("meta"):
+        got = runner._static_body(step)
+    assert got.device == runner.device and torch.equal(got, expected)
+
+    masks = runner._masks
+
+    def careless(visible, q_pos, k_pos):  # adds a zero made on the default device
+        return {k: m + torch.zeros(()) for k, m in masks(visible, q_pos, k_pos).items()}
+
+    runner._masks = careless
+    with pytest.raises(RuntimeError, match="meta"), torch.device("meta"):
+        runner._static_body(step)
