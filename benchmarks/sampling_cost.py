@@ -79,7 +79,7 @@ def decode_rows(model, tok, prompts: list[dict], new_tokens: int, rounds: int) -
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    from scipy.stats import binomtest
+    from benchmarks.report import sign_test
 
     base = SETTINGS[0][0]
     by = {(r["prompt_id"], r["setting"]): r["tokens_per_s"] for r in rows}
@@ -87,12 +87,11 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for name, *_ in SETTINGS:
         ratios = [by[(p, name)] / by[(p, base)] for p in prompts]
-        faster, slower = sum(x > 1 for x in ratios), sum(x < 1 for x in ratios)
+        sign = sign_test(ratios)
         lo, hi = bootstrap_ci(ratios)
         out.append({"setting": name, "tokens_per_s_median": statistics.median(by[(p, name)] for p in prompts),
-                    "ratio_median": statistics.median(ratios), "ratio_ci95": [lo, hi], "faster": faster,
-                    "slower": slower, "p_sign": binomtest(faster, faster + slower).pvalue if faster + slower else 1.0,
-                    "prompts": len(prompts)})
+                    "ratio_median": statistics.median(ratios), "ratio_ci95": [lo, hi], "faster": sign["wins"],
+                    "slower": sign["losses"], "p_sign": sign["p_sign"], "prompts": len(prompts)})
     return out
 
 

@@ -64,7 +64,7 @@ def measure(model, tok, prompts: list[dict], verifiers: list[str], max_new: int,
 
 def summarise(rows: list[dict], verifiers: list[str]) -> list[dict]:
     """Per setting and verifier: pooled tau, and the per-prompt tau ratio against the first verifier."""
-    from scipy.stats import binomtest
+    from benchmarks.report import sign_test
 
     out = []
     base = verifiers[0]
@@ -75,11 +75,9 @@ def summarise(rows: list[dict], verifiers: list[str]) -> list[dict]:
             own = [r for r in mine if r["verifier"] == v]
             pooled = sum(r["tokens"] for r in own) / sum(r["target_calls"] for r in own)
             ratios = [by[(r["prompt_id"], v)]["tau"] / r["tau"] for r in mine if r["verifier"] == base]
-            wins, losses = sum(x > 1 for x in ratios), sum(x < 1 for x in ratios)
-            p = binomtest(wins, wins + losses).pvalue if wins + losses else 1.0
             lo, hi = bootstrap_ci(ratios)
             out.append({"setting": label, "verifier": v, "tau_pooled": pooled, "ratio_median": statistics.median(ratios),
-                        "ratio_ci95": [lo, hi], "wins": wins, "losses": losses, "p_sign": p, "prompts": len(ratios)})
+                        "ratio_ci95": [lo, hi], **sign_test(ratios), "prompts": len(ratios)})
     return out
 
 
