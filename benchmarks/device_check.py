@@ -94,22 +94,19 @@ class Results:
 
 
 def machine(device: torch.device) -> dict:
-    import platform
+    """The benchmarks' own machine record (CPU family, model and flags, versions) with the device, the GPU where
+    there is one, and the commit (from git, else ``$TREESPEC_COMMIT``: the GPU machines' copies have no git)."""
+    from benchmarks.common import git_state, machine_info
 
-    import transformers
-
-    info = {"device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads()}
+    info = {"device": str(device), **machine_info()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
                     capability=f"{props.major}.{props.minor}")
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                        check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = os.environ.get("TREESPEC_COMMIT", "unknown (no git here; set TREESPEC_COMMIT)")
+    state = git_state(REPO)
+    info["commit"] = state["commit"] if state["commit"] != "unknown" else \
+        os.environ.get("TREESPEC_COMMIT", "unknown (no git here; set TREESPEC_COMMIT)")
+    info["dirty"] = state["dirty"]
     return info
 
 
@@ -334,8 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.get_output_embeddings().weight.shape[0]
     prompts = prompt_ids(tokenizer, vocab, 2 if args.quick else args.prompts)
     results.step("profile", profile, model, args.quick)
-    makers: dict = {}  # the drafters step records the methods' names; their makers are no data
-    if results.step("drafters", lambda: sorted(makers.update(drafters(model, prompts, args.quick)) or makers)):
+    makers: dict = {}
+
+    def build() -> list[str]:  # the step records the methods' names; their makers are no data
+        makers.update(drafters(model, prompts, args.quick))
+        return sorted(makers)
+
+    if results.step("drafters", build):
         results.step("speed", speed, model, prompts, makers, 8 if args.quick else args.new_tokens, device)
     failed = [name for name, step in results.data["steps"].items() if step["status"] != "ok"]
     tests = results.data["steps"].get("tests", {}).get("result") or {}
