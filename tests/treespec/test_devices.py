@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from treespec.drafting.base import Draft
+from trees_common import random_tree
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.runner import ModelRunner
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig, logits_to_probs
-from treespec.tree import TokenTree
 from treespec.trees.grow import ShapeDrafter
 from treespec.trees.shape import TreeShape
 
@@ -35,12 +35,6 @@ ATOL = 1e-4
 GREEDY = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.0), stop_on_eos=False)
 
 
-def _tree(num_nodes: int, root: int, vocab: int, gen: torch.Generator, device: str) -> TokenTree:
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
-    tokens = [root] + torch.randint(0, vocab, (num_nodes - 1,), generator=gen).tolist()
-    return TokenTree.from_lists(parents, tokens, device=device)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_tree_pass_equals_per_path_forwards(device, arch):
@@ -51,7 +45,7 @@ def test_tree_pass_equals_per_path_forwards(device, arch):
     seq = torch.randint(0, 64, (21,), generator=gen).to(device)
     runner = ModelRunner(model)
     runner.forward(None, None, seq[:-1])
-    tree = _tree(12, int(seq[-1]), 64, gen, device)
+    tree = random_tree(12, int(seq[-1]), 64, gen, device)
     logits = runner.forward(tree, torch.arange(tree.num_nodes, device=device))["logits"]  # [12, V]
     assert logits.device.type == torch.device(device).type
     for node in range(tree.num_nodes):
@@ -69,7 +63,7 @@ def test_committed_cache_equals_fresh_prefill(device):
     seq = torch.randint(0, 64, (5,), generator=gen).tolist()
     runner.forward(None, None, torch.tensor(seq[:-1], device=device))
     for _ in range(30):
-        tree = _tree(int(torch.randint(1, 8, (1,), generator=gen)), seq[-1], 64, gen, device)
+        tree = random_tree(int(torch.randint(1, 8, (1,), generator=gen)), seq[-1], 64, gen, device)
         runner.forward(tree, torch.arange(tree.num_nodes, device=device))
         path = tree.root_path(int(torch.randint(0, tree.num_nodes, (1,), generator=gen)))
         runner.commit(path)

@@ -23,6 +23,7 @@ from treespec.sampling import SamplingConfig
 from treespec.tree import TokenTree
 from treespec.trees.grow import ShapeDrafter
 from treespec.trees.shape import TreeShape
+from trees_common import random_tree as shared_random_tree
 
 ATOL = 1e-5
 V = 64
@@ -44,9 +45,7 @@ def gemma(seed=0, kv_heads=2, num_layers=4, dtype=torch.float32, logit_scale=1.0
 
 
 def random_tree(num_nodes, root, gen):
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
-    tokens = [root] + torch.randint(0, V, (num_nodes - 1,), generator=gen).tolist()
-    return TokenTree.from_lists(parents, tokens)
+    return shared_random_tree(num_nodes, root, V, gen)
 
 
 class WrongRope(FastGemmaRunner):

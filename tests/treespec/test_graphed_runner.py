@@ -13,25 +13,19 @@ import pytest
 import torch
 
 from sync_helpers import SyncCounter
+from trees_common import random_tree
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.fast import FastGemmaRunner
 from treespec.models.fast.graphs import GraphedGemmaRunner, _StaticPass
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
-from treespec.tree import TokenTree
 from treespec.trees.grow import ShapeDrafter
 from treespec.trees.shape import TreeShape
 
 ATOL = 1e-5
 V = 64
 BUDGETS = (1, 2, 4, 8)
-
-
-def _tree(num_nodes: int, root: int, gen: torch.Generator) -> TokenTree:
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
-    tokens = [root] + torch.randint(0, V, (num_nodes - 1,), generator=gen).tolist()
-    return TokenTree.from_lists(parents, tokens)
 
 
 class SlotsOffByOne(GraphedGemmaRunner):
@@ -49,7 +43,7 @@ def _run_steps(runner, model, steps: int, seed: int) -> list[torch.Tensor]:
     seq = torch.randint(0, V, (21,), generator=gen).tolist()
     out = [runner.forward(None, None, torch.tensor(seq[:-1]))["logits"]]
     for _ in range(steps):
-        tree = _tree(int(torch.randint(1, 9, (1,), generator=gen)), seq[-1], gen)
+        tree = random_tree(int(torch.randint(1, 9, (1,), generator=gen)), seq[-1], V, gen)
         out.append(runner.forward(tree, torch.arange(tree.num_nodes))["logits"])
         path = tree.root_path(int(torch.randint(0, tree.num_nodes, (1,), generator=gen)))
         runner.commit(path)

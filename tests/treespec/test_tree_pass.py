@@ -7,14 +7,9 @@ import torch
 from treespec.models.runner import ModelRunner
 from treespec.models.tiny import ARCHITECTURES, tiny_model
 from treespec.tree import TokenTree
+from trees_common import random_tree
 
 ATOL = 1e-5  # fp32; observed differences are ~1e-7 (different reduction orders)
-
-
-def random_tree(num_nodes: int, root: int, vocab: int, gen: torch.Generator) -> TokenTree:
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
-    tokens = [root] + torch.randint(0, vocab, (num_nodes - 1,), generator=gen).tolist()
-    return TokenTree.from_lists(parents, tokens)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

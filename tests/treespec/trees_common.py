@@ -1,4 +1,6 @@
-"""Builders under test (shared by the test_trees_* modules)."""
+"""Builders under test (shared by the test_trees_* modules), and the random trees the runner tests feed."""
+
+import torch
 
 from treespec.drafting.ngram import NgramConfig
 from treespec.trees.dyspec import DySpecDrafter
@@ -7,6 +9,7 @@ from treespec.trees.grow import ShapeDrafter
 from treespec.trees.merged import MergedDrafter
 from treespec.trees.sequoia import SequoiaDP
 from treespec.trees.shape import TreeShape
+from treespec.tree import TokenTree
 
 MEDUSA = TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
 SEQUOIA = SequoiaDP([0.55, 0.2, 0.1], 8, 4).shape(8, 4)
@@ -32,3 +35,12 @@ BUILDERS = {
     "merged_shape": lambda m, law="deterministic": MergedDrafter(ShapeDrafter(m, MEDUSA, "deterministic"),
                                                                 NgramConfig(depth=4, branches=2, max_nodes=6)),
 }
+
+
+def random_tree(num_nodes: int, root: int, vocab: int, gen: torch.Generator,
+                device: torch.device | str | None = None) -> TokenTree:
+    """A random token tree of ``num_nodes`` nodes (each node's parent drawn among the earlier ones) under ``root``,
+    on ``device``."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
+    tokens = [root] + torch.randint(0, vocab, (num_nodes - 1,), generator=gen).tolist()
+    return TokenTree.from_lists(parents, tokens, device=device)
