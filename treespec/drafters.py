@@ -46,6 +46,9 @@ class DraftOptions:
     tree: tuple[int, ...] | None = None
     law: str | None = None
     min_confidence: float | None = None
+    #: SpecDec++'s stopping rule instead of the confidence: a path stops growing once the shipped acceptance
+    #: head's predicted chance that some token on it is rejected exceeds this (shipped head only)
+    max_reject: float | None = None
     #: a head's weights: "none" (the target's dtype, packed where that pays), "int4" (4-bit, bf16 on a CPU) or
     #: None (the shipped head's setting for the temperature where its kernel runs, else "none")
     quantize: str | None = None
@@ -55,6 +58,8 @@ class DraftOptions:
 
         if self.quantize is not None and self.quantize not in ("none", *QUANTIZE_MODES):
             raise ValueError(f"quantize={self.quantize!r}: expected 'none', one of {QUANTIZE_MODES} or None")
+        if self.max_reject is not None and self.min_confidence is not None:
+            raise ValueError("max_reject replaces min_confidence as the stopping rule: give one of them")
 
 
 @dataclass(frozen=True)
@@ -184,10 +189,18 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
                                    or int4_kernel_missing() is not None):
             quantize = "none"
     head.for_inference(target.dtype, quantize=None if quantize == "none" else quantize)
-    confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
     law = options.law or settings.get("law", "iid")
-    return ShapeDrafter(head, TreeShape.widths(tree_widths(options.tree, settings["tree"])), law,
-                        min_confidence=confidence)
+    shape = TreeShape.widths(tree_widths(options.tree, settings["tree"]))
+    if options.max_reject is not None:
+        if path is not None:
+            raise ValueError("max_reject reads the shipped acceptance head, trained for the shipped draft head only")
+        from .drafting.shipped import load_default_stop_head
+        from .drafting.stopping import PredictedStop
+
+        stop = PredictedStop(load_default_stop_head(head.lm_rows.device), options.max_reject)
+        return ShapeDrafter(head, shape, law, stop=stop)
+    confidence = settings["min_confidence"] if options.min_confidence is None else options.min_confidence
+    return ShapeDrafter(head, shape, law, min_confidence=confidence)
 
 
 def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, temperature: float = 0.0,

@@ -12,6 +12,7 @@ once that process is gone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -115,3 +116,12 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
             entry.unlink(missing_ok=True)
             removed.append(entry)
     return removed
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,4 +1,4 @@
-"""``python -m treespec.distill build-corpus | train | medusa | evaluate`` on the embedded Gemma-3-270M (or any HF LM).
+"""``python -m treespec.distill build-corpus | train | medusa | evaluate | acceptance`` on the embedded Gemma-3-270M (or any HF LM).
 
 Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
 otherwise: corpora in ``corpus/<name>``, runs (checkpoints, ``head.safetensors``) in ``runs/<name>``.
@@ -157,10 +157,28 @@ def _add_export(sub) -> None:
     x.add_argument("--threads", type=int, default=1)
 
 
+def _add_acceptance(sub) -> None:
+    a = sub.add_parser("acceptance", help="train SpecDec++'s acceptance head for a draft head on stored continuations")
+    _common_arguments(a)
+    a.add_argument("--continuations", required=True, help="a continuation folder (build_continuations)")
+    a.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
+    a.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
+    a.add_argument("--head", default=None, help="the draft head .safetensors (default: the shipped head)")
+    a.add_argument("--out", required=True, help="acceptance head .safetensors to write (atomically)")
+    a.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
+    a.add_argument("--json", default=None, help="write the scores and settings here too")
+    from .acceptance import AcceptanceRowsOptions, AcceptanceTrainOptions
+
+    _config_arguments(a, AcceptanceRowsOptions())
+    for field, default in AcceptanceTrainOptions().__dict__.items():
+        if field != "seed":
+            a.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m treespec.distill", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    for add in (_add_build_corpus, _add_train, _add_evaluate, _add_medusa, _add_export):
+    for add in (_add_build_corpus, _add_train, _add_evaluate, _add_medusa, _add_export, _add_acceptance):
         add(sub)
     return ap
 
@@ -187,11 +205,15 @@ def _training_setup(args, config_cls, load_model):
 def _check_numbers(args) -> None:
     """Options that argparse types cannot bound: a bad value is a :class:`DistillInputError`."""
     lows = {"threads": 1, "max_prompts": 1, "max_len": 2, "num_prompts": 1, "max_prompt_len": 1,
-            "new_tokens": 1, "tau_prompts": 1, "depths": 1}
+            "new_tokens": 1, "tau_prompts": 1, "depths": 1, "positions": 1, "draws": 1, "width": 1, "epochs": 1,
+            "batch": 1}
     for name, low in lows.items():
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise DistillInputError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    held_out = getattr(args, "held_out", None)
+    if held_out is not None and not 0.0 <= held_out < 1.0:
+        raise DistillInputError(f"--held-out must be in [0, 1), got {held_out}")
     limit = getattr(args, "time_limit", None)
     if limit is not None and not limit > 0:
         raise DistillInputError(f"--time-limit must be > 0 minutes, got {limit}")
@@ -272,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args) -> None:
     torch.set_num_threads(args.threads)
     {"build-corpus": _build_corpus, "export": _export, "medusa": _medusa, "train": _train,
-     "evaluate": _evaluate}[args.command](args)
+     "evaluate": _evaluate, "acceptance": _acceptance}[args.command](args)
 
 
 def _build_corpus(args) -> None:
@@ -450,3 +472,56 @@ def _evaluate(args) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def _span(text: str | None, flag: str) -> tuple[int, int | None]:
+    """``START:END`` (either side may be empty) as integers."""
+    if text is None:
+        return 0, None
+    try:
+        start, _, end = text.partition(":")
+        return int(start or 0), (int(end) if end else None)
+    except ValueError:
+        raise DistillInputError(f"{flag} {text!r}: expected START:END") from None
+
+
+def _acceptance(args) -> None:
+    """``acceptance``: SpecDec++'s acceptance head for a draft head, from stored continuations."""
+    from ..drafting.head import EagleHead
+    from ..drafting.shipped import DEFAULT_HEAD
+    from ..files import file_sha256
+    from ..models.loading import load_model, load_tokenizer
+    from .acceptance import (AcceptanceRowsOptions, AcceptanceTrainOptions, collect_rows, score, split_rows,
+                             train_acceptance_head)
+    from .continuations import MANIFEST, continuation_sequences, load_continuation_manifest
+    from .corpus import read_prompts
+
+    folder = Path(args.continuations)
+    if not (folder / MANIFEST).is_file():
+        raise DistillInputError(f"--continuations {folder}: no continuation manifest ({MANIFEST}) there")
+    source = load_continuation_manifest(folder).get("source", {})
+    lo, hi = _span(args.rows or (source.get("rows") if isinstance(source, dict) else None), "--rows")
+    rows = read_prompts(DEFAULT_TRAIN, seed=int(source.get("order_seed", 0)))[lo:hi]
+    tok = load_tokenizer(args.target)
+    stored = continuation_sequences(folder, [tok(r["prompt"])["input_ids"] for r in rows])
+    first, end = _span(args.chunks, "--chunks")
+    chunks = [c for c in stored.chunks if c >= first and (end is None or c < end)]
+    if not chunks:
+        raise DistillInputError(f"--chunks {args.chunks}: no finished chunk of {folder} in that range")
+    sequences = [pair for c in chunks for pair in zip(*stored.chunk(c))]
+    head_path = Path(args.head) if args.head else DEFAULT_HEAD
+    model = load_model(args.target, dtype=args.dtype)
+    head = EagleHead.load(head_path, model).eval()
+    rows_opts = AcceptanceRowsOptions(args.depths, args.positions, args.draws, args.seed)
+    all_rows = collect_rows(model, head, sequences, rows_opts, progress=not args.no_progress)
+    train_rows, held = split_rows(all_rows, args.held_out, args.seed)
+    train_opts = AcceptanceTrainOptions(args.width, args.epochs, args.batch, args.lr, args.weight_decay, args.seed)
+    stop_head = train_acceptance_head(train_rows, head.cfg.hidden_size, train_opts)
+    record = {"head": str(head_path.name), "head_sha256": file_sha256(head_path), "continuations": str(folder),
+              "chunks": chunks, "sequences": len(sequences), "rows": train_rows.sizes, "held_out_rows": held.sizes,
+              "row_options": rows_opts.__dict__, "train_options": train_opts.__dict__,
+              "held_out_scores": score(stop_head, held), "train_scores": score(stop_head, train_rows)}
+    stop_head.save(args.out, extra=record)
+    if args.json:
+        atomic_write_json(Path(args.json), record)
+    print(json.dumps(record, indent=1))

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .head import EagleHead
 from .medusa import MedusaHeads
+from .stopping import AcceptanceHead
 
 #: the shipped weights (fp16, <= 16 MB)
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-head.safetensors"
@@ -20,6 +23,10 @@ DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-hea
 #: Medusa-style decoding heads for the same target (3 heads, 1.2M trained parameters, fp16;
 #: ``python -m treespec.distill medusa`` on the same corpora, see the README)
 DEFAULT_MEDUSA = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-medusa.safetensors"
+
+#: SpecDec++'s acceptance head for the shipped draft head (:class:`~treespec.drafting.stopping.AcceptanceHead`,
+#: ``python -m treespec.distill acceptance``; recipe ``recipes/acceptance_head.sh``), read by ``--max-reject``
+DEFAULT_STOP_HEAD = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-stop.safetensors"
 
 #: how the CLI drafts with it when no --tree / --min-confidence / --law / --draft-quantize is given, at T=0 ("greedy") and at
 #: T>0 ("sampled"); chosen on train prompts (benchmarks/results/tuning/; T=0: confidence 0.2 beat 0.4 for
@@ -58,3 +65,11 @@ def load_default_medusa(target) -> MedusaHeads:
         return MedusaHeads.load(DEFAULT_MEDUSA, target)
     except ValueError as err:
         raise ValueError(f"the shipped Medusa heads belong to the embedded Gemma-3-270M: {err}") from err
+
+
+def load_default_stop_head(device: torch.device | str = "cpu") -> AcceptanceHead:
+    """The shipped acceptance head (SpecDec++'s stopping rule for the shipped draft head)."""
+    if not DEFAULT_STOP_HEAD.exists():
+        raise FileNotFoundError(f"the shipped acceptance head is missing ({DEFAULT_STOP_HEAD}); reinstall treespec "
+                                "or drop --max-reject")
+    return AcceptanceHead.load(DEFAULT_STOP_HEAD, device)

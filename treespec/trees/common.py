@@ -33,6 +33,7 @@ class DraftLogits:
     logits: torch.Tensor  # [M, Vs]
     vocab_ids: torch.Tensor | None  # [Vs] ascending target ids, or None
     vocab_size: int  # V, the target's
+    feature: torch.Tensor | None = None  # [M, H] the draft's output feature behind each row, where asked for
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Column indices ``[...]`` -> target token ids (negative entries stay as they are)."""
@@ -53,7 +54,7 @@ class DraftLogits:
         if self.vocab_ids is None or self.logits.shape[-1] >= columns:
             return self
         full = self.logits.new_full((self.logits.shape[0], self.vocab_size), float("-inf"))
-        return DraftLogits(full.index_copy_(1, self.vocab_ids, self.logits), None, self.vocab_size)
+        return DraftLogits(full.index_copy_(1, self.vocab_ids, self.logits), None, self.vocab_size, self.feature)
 
 
 class RunnerDrafter:
@@ -105,20 +106,24 @@ class RunnerDrafter:
         if chain is not None and chain.numel():
             self.runner.forward(None, None, chain, need_logits=False)
 
-    def _forward(self, tree, nodes: list[int], chain: torch.Tensor | None) -> DraftLogits:
+    def _forward(self, tree, nodes: list[int], chain: torch.Tensor | None, need_feature: bool = False
+                 ) -> DraftLogits:
         """Draft logits of tree ``nodes`` (``len(nodes)`` rows): on the runner's vocabulary subset when
-        it scores one (``need_logits="subset"``), else on the full vocabulary (padded)."""
+        it scores one (``need_logits="subset"``), else on the full vocabulary (padded); with
+        ``need_feature``, also the draft's output feature of each node (``need_hidden``)."""
         idx = torch.tensor(nodes, dtype=torch.long, device=self.runner.device)
         m = 0 if chain is None else chain.numel()
+        asks = {"need_hidden": True} if need_feature else {}
         if m and isinstance(self.runner, ModelRunner):  # a causal LM: no LM-head rows for the chain (a long prompt)
             rows = torch.arange(m, m + len(nodes), device=self.runner.device)
-            out = self.runner.forward(tree, idx, chain, need_logits="subset", rows=rows)
+            out = self.runner.forward(tree, idx, chain, need_logits="subset", rows=rows, **asks)
         else:
-            out = self.runner.forward(tree, idx, chain, need_logits="subset")
+            out = self.runner.forward(tree, idx, chain, need_logits="subset", **asks)
         self.draft_forwards += 1
         logits = out["logits"][-len(nodes):]
         ids = out.get("vocab_ids")
-        return DraftLogits(self._pad(logits) if ids is None else logits, ids, self.vocab_size)
+        feature = out["hidden"][-len(nodes):] if need_feature else None
+        return DraftLogits(self._pad(logits) if ids is None else logits, ids, self.vocab_size, feature)
 
     def accept(self, result: VerifyResult, emitted: list[int]) -> None:
         accepted = result.accepted_nodes[: max(len(emitted) - 1, 0)]

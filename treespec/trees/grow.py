@@ -22,6 +22,7 @@ import torch
 
 from ..drafting.base import Draft, DraftState
 from ..drafting.laws import draw_children
+from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision
 from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import DRAFT_LAWS, TokenTree
 from .common import RunnerDrafter
@@ -35,13 +36,17 @@ def check_shape_law(shape: TreeShape, law: str) -> None:
         raise ValueError("the spechub law drafts at most two children per node")
 
 
-def _to_host(tokens: torch.Tensor, valid: torch.Tensor, confident: torch.Tensor | None
-             ) -> tuple[list[list[int]], list[list[int]], list[list[int]] | None]:
-    """One level's drawn children ``[M, K]`` (tokens, valid, confident or None) as host lists, read back
-    together: the one host sync of a level."""
-    parts = [tokens, valid.long(), *([] if confident is None else [confident.long()])]
+def _to_host(tokens: torch.Tensor, valid: torch.Tensor, decision: StopDecision | None
+             ) -> tuple[list[list[int]], list[list[int]], list[list[int]], list[list[int]]]:
+    """One level's drawn children ``[M, K]`` (tokens, valid, and the stopping rule's keep / grow, all True
+    without one) as host lists, read back together: the one host sync of a level."""
+    parts = [tokens, valid.long()]
+    if decision is not None:
+        parts += [decision.keep.long(), decision.grow.long()]
     host = torch.stack(parts).tolist()
-    return host[0], host[1], host[2] if confident is not None else None
+    if decision is None:
+        return host[0], host[1], host[1], host[1]  # valid children are kept and grow
+    return host[0], host[1], host[2], host[3]
 
 
 class ShapeDrafter(RunnerDrafter):
@@ -53,25 +58,32 @@ class ShapeDrafter(RunnerDrafter):
     shape : the template tree (budget = ``shape.num_drafted`` nodes).
     law : how each node's children are drawn at temperature > 0 (one of ``DRAFT_LAWS``).
     target_vocab_size : the target's vocabulary (a smaller draft vocabulary is zero-padded).
-    min_confidence : adaptive draft length (the stopping rule of SpecDec++, arXiv 2405.19715, with
-        the draft's own confidence as the estimate of acceptance; EAGLE-2, arXiv 2406.16858, shows
-        that confidence predicts acceptance). With deterministic candidates a child is kept only if
-        the draft gives it at least this probability (softmax of its logits), its template subtree
-        is dropped otherwise. With sampled children every drawn child is kept (dropping one would
-        change the law of the children) and only those whose own draft probability reaches the
-        threshold get children: a node's subtree depends on the node's token, never on its
+    min_confidence : adaptive draft length with the draft's own confidence as the estimate of
+        acceptance (:class:`~treespec.drafting.stopping.ConfidenceStop`). With deterministic candidates
+        a child is kept only if the draft gives it at least this probability (softmax of its logits),
+        its template subtree is dropped otherwise. With sampled children every drawn child is kept
+        (dropping one would change the law of the children) and only those whose own draft probability
+        reaches the threshold get children: a node's subtree depends on the node's token, never on its
         siblings' fate. Both depend only on the draft, so verification stays lossless.
+    stop : another stopping rule instead (e.g. :class:`~treespec.drafting.stopping.PredictedStop`, the
+        rule of SpecDec++, arXiv 2405.19715, with a trained acceptance head); not with ``min_confidence``.
     """
 
     def __init__(self, model, shape: TreeShape, law: str = "without_replacement",
-                 target_vocab_size: int | None = None, min_confidence: float = 0.0) -> None:
+                 target_vocab_size: int | None = None, min_confidence: float = 0.0,
+                 stop: ConfidenceStop | PredictedStop | None = None) -> None:
         super().__init__(model, target_vocab_size)
         check_shape_law(shape, law)
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
+        if stop is not None and min_confidence > 0.0:
+            raise ValueError("give min_confidence or a stopping rule, not both")
         self.tree_shape = shape
         self.draft_law = law
-        self.min_confidence = float(min_confidence)
+        self.stop = stop if stop is not None or min_confidence == 0.0 else ConfidenceStop(float(min_confidence))
+
+    @property
+    def min_confidence(self) -> float:
+        """The confidence threshold of a :class:`~treespec.drafting.stopping.ConfidenceStop` (0: none)."""
+        return self.stop.min_confidence if isinstance(self.stop, ConfidenceStop) else 0.0
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic" if sampling.greedy else self.draft_law
@@ -79,13 +91,15 @@ class ShapeDrafter(RunnerDrafter):
     def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         law = self.law(sampling)
         shape = self.tree_shape.truncate(max(state.max_depth, 0))
-        kids_of = shape.children
+        kids_of, stop = shape.children, self.stop
         device = self.runner.device
         self.draft_forwards = 0
         chain = self._pending_chain(state)
-        parents, tokens, template = [-1], [state.tokens[-1]], [0]
+        parents, tokens, template, depth = [-1], [state.tokens[-1]], [0], [0]
         rows: list[torch.Tensor] = []  # q rows of expanded nodes, in node order
         expanded: list[int] = []
+        # [nodes] the predicted chance that a node's whole path is accepted (rules that track one)
+        path_accept = torch.ones(shape.num_drafted + 1, device=device) if stop is not None else None
         frontier = [0]
         while True:
             expand = [i for i in frontier if kids_of[template[i]]]
@@ -94,40 +108,42 @@ class ShapeDrafter(RunnerDrafter):
             tree = TokenTree.from_lists(parents, tokens, law, device)
             counts = [len(kids_of[template[i]]) for i in expand]
             widest = max(counts)
-            draft = self._forward(tree, expand, chain).at_least(widest)  # [M, Vs] (a subset for heads)
+            need_feature = stop is not None and stop.needs_feature
+            draft = self._forward(tree, expand, chain, need_feature).at_least(widest)  # [M, Vs] (a subset for heads)
             chain = None
             counts = torch.tensor(counts, dtype=torch.long, device=device)
-            confident = None  # [M, k] bool: the child's draft probability reaches min_confidence
             if law == "deterministic":
                 # max_children: the width is known on the host (draw_children would read it back)
                 drafts = draw_children(draft.logits, counts, "deterministic", max_children=widest)  # top-k
-                if self.min_confidence > 0.0:
-                    conf = torch.softmax(draft.logits.float(), dim=-1).gather(1, drafts.tokens.clamp(min=0))
-                    confident = conf >= self.min_confidence
+                q = torch.softmax(draft.logits.float(), dim=-1) if stop is not None else None  # [M, Vs]
             else:
                 q = logits_to_probs(draft.logits, sampling)  # [M, Vs]
                 drafts = draw_children(q, counts, law, generator, max_children=widest)
                 rows.append(draft.spread(q))  # [M, V] for the verifier
                 expanded.extend(expand)
-                if self.min_confidence > 0.0:
-                    confident = q.gather(1, drafts.tokens.clamp(min=0)) >= self.min_confidence
-            toks, valid, confident = _to_host(draft.token_ids(drafts.tokens), drafts.valid, confident)
-            frontier = []
+            decision = None
+            if stop is not None:
+                at = torch.tensor(expand, dtype=torch.long, device=device)
+                decision = stop.decide(law == "deterministic", q, drafts.tokens, draft.feature, path_accept[at],
+                                       torch.tensor([depth[i] for i in expand], device=device))
+            toks, valid, keep, grow = _to_host(draft.token_ids(drafts.tokens), drafts.valid, decision)
+            frontier, grown = [], []
             for r, node in enumerate(expand):
                 for j, child_template in enumerate(kids_of[template[node]]):
-                    if not valid[r][j]:
-                        break  # without replacement: q's support is exhausted; later ranks too
-                    if confident is not None and not confident[r][j]:
-                        if law == "deterministic":
-                            break  # ranks come in falling probability: later ones are below it too
-                        parents.append(node)  # a sampled child stays (its law is intact) as a leaf
-                        tokens.append(toks[r][j])
-                        template.append(child_template)
-                        continue
-                    frontier.append(len(tokens))
+                    if not valid[r][j] or not keep[r][j]:
+                        # without replacement: q's support is exhausted; a deterministic child below the
+                        # confidence: ranks come in falling probability, later ones are below it too
+                        break
+                    if grow[r][j]:  # a child that does not grow stays a leaf (a sampled child's law is intact)
+                        frontier.append(len(tokens))
+                        grown.append((r, j))
                     parents.append(node)
                     tokens.append(toks[r][j])
                     template.append(child_template)
+                    depth.append(depth[node] + 1)
+            if decision is not None and decision.path_accept is not None and grown:
+                rs, js = torch.tensor(grown, dtype=torch.long, device=device).T
+                path_accept[torch.tensor(frontier, dtype=torch.long, device=device)] = decision.path_accept[rs, js]
         self._flush_chain(chain)
         tree = TokenTree.from_lists(parents, tokens, law, device)
         self._runner_index = None  # the runner grew exactly this tree
