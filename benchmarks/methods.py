@@ -37,8 +37,8 @@ ASSISTANT = "<assistant>"
 @dataclass(frozen=True)
 class Row:
     """One method row. ``draft``: the ``--draft`` word (None: ``--plain``; for ``hf`` / ``llama`` rows
-    ``prompt-lookup`` or ``assistant``); ``tree`` / ``min_confidence`` / ``law`` / ``quantize``: ``--tree``,
-    ``--min-confidence``, ``--law``, ``--draft-quantize`` (None: the CLI's default); ``leaf_logits``: False for
+    ``prompt-lookup`` or ``assistant``); ``tree`` / ``min_confidence`` / ``law`` / ``quantize`` / ``max_reject``:
+    ``--tree``, ``--min-confidence``, ``--law``, ``--draft-quantize``, ``--max-reject`` (None: the CLI's default); ``leaf_logits``: False for
     ``--leaf-logits off``; ``drafter``: a key of :data:`CUSTOM_DRAFTERS` (a drafter the CLI does not build) with
     its constructor ``settings``; ``protocol``: part of the default protocol."""
 
@@ -50,6 +50,7 @@ class Row:
     law: str | None = None
     quantize: str | None = None
     leaf_logits: bool = True
+    max_reject: float | None = None
     drafter: str | None = None
     settings: tuple[tuple[str, Any], ...] = ()
     protocol: bool = False
@@ -120,6 +121,8 @@ def cli_flags(row: Row) -> str:
         words += ["--tree", ",".join(str(w) for w in row.tree)]
     if row.min_confidence is not None:
         words += ["--min-confidence", _value(row.min_confidence)]
+    if row.max_reject is not None:
+        words += ["--max-reject", _value(row.max_reject)]
     if row.law is not None:
         words += ["--law", row.law]
     if row.quantize is not None:
@@ -230,12 +233,14 @@ def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine:
 
 
 def cli_drafter(model, tok, dtype: str, draft: str, min_confidence: float | None = None,
-                tree: tuple[int, ...] | None = None, law: str | None = None, quantize: str | None = None):
+                tree: tuple[int, ...] | None = None, law: str | None = None, quantize: str | None = None,
+                max_reject: float | None = None):
     """A drafter from the registry ``treespec generate --draft DRAFT [--tree T] [--min-confidence C]
-    [--law L] [--draft-quantize Q]`` uses (one per temperature; None: the CLI's default)."""
+    [--law L] [--draft-quantize Q] [--max-reject H]`` uses (one per temperature; None: the CLI's default)."""
     from treespec.drafters import DraftOptions, build_drafter
 
-    options = DraftOptions(tree=tree, law=law, min_confidence=min_confidence, quantize=quantize)
+    options = DraftOptions(tree=tree, law=law, min_confidence=min_confidence, quantize=quantize,
+                           max_reject=max_reject)
     return lambda temperature: build_drafter(draft, model, options, temperature=temperature, tokenizer=tok,
                                              dtype=dtype)
 
@@ -429,7 +434,7 @@ def _treespec_method(row: Row, targets: Targets) -> Method:
         make = lambda t: None  # noqa: E731 - plain decoding
     else:
         make = cli_drafter(targets.model, targets.tok, targets.dtype, row.draft, row.min_confidence, row.tree,
-                           row.law, row.quantize)
+                           row.law, row.quantize, row.max_reject)
     text = describe(row, opts.runner, type(model).__name__ if row.target == "ts" else "", opts.lookup_tokens)
     return ts_method(row.name, model, make, text, reset, row.engine, row.leaf_logits, opts.top_p)
 
@@ -483,11 +488,14 @@ def _llama_method(row: Row, targets: Targets) -> Method:
 
 
 def variant_row(fields: list[str]) -> Row:
-    """The row of one ``--variant NAME DRAFT TREE CONF LAW [QUANTIZE]`` ('-': the CLI's default)."""
+    """The row of one ``--variant NAME DRAFT TREE CONF LAW [QUANTIZE]`` ('-': the CLI's default; CONF ``reject:H``:
+    ``--max-reject H`` instead of a confidence)."""
     name, draft, tree, conf, law, *quant = fields
+    reject = conf.startswith("reject:")
     return Row(name, "ts", draft, tree=tuple(int(x) for x in tree.split(",")) if tree != "-" else None,
-               min_confidence=None if conf == "-" else float(conf), law=None if law == "-" else law,
-               quantize=quant[0] if quant and quant[0] != "-" else None)
+               min_confidence=None if conf == "-" or reject else float(conf), law=None if law == "-" else law,
+               quantize=quant[0] if quant and quant[0] != "-" else None,
+               max_reject=float(conf.removeprefix("reject:")) if reject else None)
 
 
 def ordered_rows(wanted: set[str], variants: list[Row], runner: str) -> list[Row]:

@@ -137,9 +137,10 @@ def _is_ngram(draft: str) -> bool:
 
 
 def _shaping_flag(args: argparse.Namespace) -> str | None:
-    """The first of ``--tree``, ``--law``, ``--min-confidence`` the command gives (options that shape a model or
-    head draft), None without one."""
-    for flag, value in (("--tree", args.tree), ("--law", args.law), ("--min-confidence", args.min_confidence)):
+    """The first of ``--tree``, ``--law``, ``--min-confidence``, ``--max-reject`` the command gives (options that
+    shape a model or head draft), None without one."""
+    for flag, value in (("--tree", args.tree), ("--law", args.law), ("--min-confidence", args.min_confidence),
+                        ("--max-reject", args.max_reject)):
         if value is not None:
             return flag
     return None
@@ -260,6 +261,20 @@ def _check_tree(args: argparse.Namespace) -> None:
         raise CliInputError(f"--tree {tree} asks for {nodes} draft nodes; the limit is {MAX_TREE_NODES}")
 
 
+def _check_max_reject(args: argparse.Namespace) -> None:
+    """``--max-reject``: a number in [0, 1), not beside ``--min-confidence``, for the shipped head only."""
+    if args.max_reject is None:
+        return
+    if not 0.0 <= args.max_reject < 1.0:
+        raise CliInputError(f"--max-reject must be in [0, 1), got {args.max_reject}")
+    if args.min_confidence is not None:
+        raise CliInputError("--max-reject replaces --min-confidence as the stopping rule: give one of them")
+    draft = "none" if args.plain else _resolved_draft(args)
+    if draft not in ("head", "lookup+head"):
+        raise CliInputError(f"--max-reject reads the shipped acceptance head, trained for the shipped draft head "
+                            f"(--draft head or lookup+head); this run drafts with {draft!r}")
+
+
 def _check_args(args: argparse.Namespace) -> None:
     import torch
 
@@ -268,6 +283,7 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_tree(args)
     if not args.plain:
         _resolved_draft(args)  # --draft auto refuses a --tree / --law / --min-confidence it cannot follow
+    _check_max_reject(args)
     if args.threads is not None and args.threads < 1:
         raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
     if args.threads is not None and args.threads > usable_cores():
@@ -360,6 +376,11 @@ def _draft_arguments(g: argparse.ArgumentParser) -> None:
                         "is dropped; at T > 0 every drawn child is kept, so the draft law is untouched); 0 drafts "
                         "the whole tree (default: the shipped head's measured setting, 0.2 at either temperature; "
                         "0 for a head file of your own)")
+    g.add_argument("--max-reject", type=float, default=None,
+                   help="SpecDec++'s stopping rule for the shipped head, instead of --min-confidence: a drafted path "
+                        "stops growing once the shipped acceptance head's predicted chance that some token on it is "
+                        "rejected exceeds this (0 <= H < 1; the token that crosses it is still proposed); up to the "
+                        "depth --tree allows (default: off, the confidence rule)")
     g.add_argument("--tree", type=_branching, default=None,
                    help="children per depth of a model or head draft, e.g. 4 (a chain of 4: 1,1,1,1) or 2,2,1; "
                         "with --draft auto it shapes the head of what auto picks, and where auto picks n-gram "
@@ -446,7 +467,7 @@ def _drafter(args, target_model, target_tokenizer, dtype) -> Drafter | None:
         return None
     # _check_args has refused a --tree for n-gram lookup (its shape is in the word: ngram:DEPTH,BRANCHES)
     options = DraftOptions(tuple(args.tree) if args.tree else None, args.law, args.min_confidence,
-                           None if args.draft_quantize == "auto" else args.draft_quantize)
+                           None if args.draft_quantize == "auto" else args.draft_quantize, args.max_reject)
     build_drafter = _engine("build_drafter")
     return build_drafter(draft, target_model, options, temperature=args.temperature, tokenizer=target_tokenizer,
                          dtype=dtype)

@@ -46,12 +46,12 @@ class DraftOptions:
     tree: tuple[int, ...] | None = None
     law: str | None = None
     min_confidence: float | None = None
-    #: SpecDec++'s stopping rule instead of the confidence: a path stops growing once the shipped acceptance
-    #: head's predicted chance that some token on it is rejected exceeds this (shipped head only)
-    max_reject: float | None = None
     #: a head's weights: "none" (the target's dtype, packed where that pays), "int4" (4-bit, bf16 on a CPU) or
     #: None (the shipped head's setting for the temperature where its kernel runs, else "none")
     quantize: str | None = None
+    #: SpecDec++'s stopping rule instead of the confidence: a path stops growing once the shipped acceptance
+    #: head's predicted chance that some token on it is rejected exceeds this (shipped head only)
+    max_reject: float | None = None
 
     def __post_init__(self) -> None:
         from .models.fast.quant import QUANTIZE_MODES

@@ -205,6 +205,13 @@ def test_nan_head_at_positive_temperature_is_named(target):
                                             "n-gram lookup on this target"),
     (["--law", "iid", "--temperature", "1"], "--law shapes a model or head draft"),
     (["--min-confidence", "0.3"], "--min-confidence shapes a model or head draft"),
+    (["--max-reject", "0.5"], "--max-reject shapes a model or head draft"),
+    (["--draft", "ngram", "--max-reject", "0.5"], "--max-reject reads the shipped acceptance head, trained for the "
+                                                 "shipped draft head (--draft head or lookup+head); this run drafts "
+                                                 "with 'ngram'"),
+    (["--draft", "head", "--max-reject", "1.5"], "--max-reject must be in [0, 1), got 1.5"),
+    (["--draft", "head", "--max-reject", "0.5", "--min-confidence", "0.2"],
+     "--max-reject replaces --min-confidence as the stopping rule: give one of them"),
     (["--draft", "ngram:0,4"], "--draft ngram:0,4: DEPTH and BRANCHES must be positive integers"),
     (["--draft", "ngram:8"], "--draft ngram:8: n-gram lookup takes ngram:DEPTH,BRANCHES"),
     (["--draft", "ngram:a,b"], "--draft ngram:a,b: n-gram lookup takes ngram:DEPTH,BRANCHES"),

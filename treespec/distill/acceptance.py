@@ -142,14 +142,15 @@ def train_acceptance_head(rows: AcceptanceRows, hidden_size: int,
         n = rows.label[regime].numel()
         steps = opts.epochs * math.ceil(n / opts.batch)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, max(steps, 1))
-        for _ in range(opts.epochs):
-            for idx in torch.randperm(n, generator=gen).split(opts.batch):
-                logit = head.logit(regime, rows.feature[regime][idx].float(), rows.numbers[regime][idx])
-                loss = F.binary_cross_entropy_with_logits(logit, rows.label[regime][idx])
-                optim.zero_grad()
-                loss.backward()
-                optim.step()
-                sched.step()
+        with torch.enable_grad():  # whatever the caller's grad mode
+            for _ in range(opts.epochs):
+                for idx in torch.randperm(n, generator=gen).split(opts.batch):
+                    logit = head.logit(regime, rows.feature[regime][idx].float(), rows.numbers[regime][idx])
+                    loss = F.binary_cross_entropy_with_logits(logit, rows.label[regime][idx])
+                    optim.zero_grad()
+                    loss.backward()
+                    optim.step()
+                    sched.step()
     return head.eval()
 
 
