@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an extra treespec row, one per --variant, given as NAME DRAFT TREE CONF LAW [QUANTIZE]: "
                          "`treespec generate --draft DRAFT --tree TREE --min-confidence CONF --law LAW "
                          "[--draft-quantize QUANTIZE]` ('-' = the CLI's default; QUANTIZE needs --dtypes bfloat16), "
-                         "e.g. --variant ts_head6 head 1,1,1,1,1,1 0.2 iid (CONF reject:H: --max-reject H), or --variant h411q4 head 4,1,1 0.2 "
-                         "without_replacement int4")
+                         "e.g. --variant ts_head6 head 1,1,1,1,1,1 0.2 iid, or --variant h411q4 head 4,1,1 0.2 "
+                         "without_replacement int4; CONF reject:H is --max-reject H instead")
     ap.add_argument("--tag", default=None, help="suffix of the default results folder name")
     ap.add_argument("--resume", type=Path, default=None, metavar="DIR",
                     help="continue the unfinished run in DIR with its recorded settings (same machine, library "
@@ -137,15 +137,24 @@ def check_variants(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             ap.error(f"--variant takes NAME DRAFT TREE CONF LAW [QUANTIZE] (5 or 6 values); got {len(v)}: {' '.join(v)}")
         if v[1] == "ngram" and v[2] != "-":
             ap.error(f"--variant {v[0]}: n-gram lookup takes its shape in its name: DRAFT ngram:{v[2]} with TREE '-'")
-        conf = v[3].removeprefix("reject:")
-        try:
-            if conf != "-" and not 0.0 <= float(conf) < 1.0:
-                raise ValueError
-        except ValueError:
-            ap.error(f"--variant {v[0]}: CONF must be '-', a confidence or reject:H, each in [0, 1); got {v[3]!r}")
+        check_conf(ap, v)
         if len(v) == 6 and v[5] not in ("-", "none", *QUANTIZE_MODES):
             ap.error(f"--variant {v[0]}: QUANTIZE must be '-', 'none' or one of {', '.join(QUANTIZE_MODES)} (as "
                      f"--draft-quantize); got {v[5]!r}")
+
+
+def check_conf(ap: argparse.ArgumentParser, v: list[str]) -> None:
+    """A ``--variant``'s CONF: '-', a confidence or ``reject:H`` (the shipped head's ``--max-reject``)."""
+    reject = v[3].startswith("reject:")
+    value = v[3].removeprefix("reject:")
+    try:
+        if (value == "-" and reject) or (value != "-" and not 0.0 <= float(value) < 1.0):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--variant {v[0]}: CONF must be '-', a confidence or reject:H, each in [0, 1); got {v[3]!r}")
+    if reject and v[1] not in ("head", "lookup+head"):
+        ap.error(f"--variant {v[0]}: CONF {v[3]} reads the shipped acceptance head, trained for the shipped head "
+                 f"(DRAFT head or lookup+head); got DRAFT {v[1]!r}")
 
 
 def resolve_dtypes(spec: list[str]) -> list[str]:

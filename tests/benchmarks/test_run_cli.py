@@ -51,3 +51,28 @@ def test_the_plot_library_of_run_py_is_a_benchmark_dependency_not_only_a_dev_one
     names = lambda reqs: {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in reqs}  # noqa: E731
     assert "matplotlib" in names(project["dependencies"]) | names(project["optional-dependencies"].get("bench", []))
     assert "scipy" in names(project["dependencies"])  # the bootstrap interval and the sign test
+
+
+@pytest.mark.parametrize("conf, draft, words", [
+    ("reject:-", "head", "CONF must be '-', a confidence or reject:H"),
+    ("reject:1.5", "head", "CONF must be '-', a confidence or reject:H"),
+    ("2", "head", "CONF must be '-', a confidence or reject:H"),
+    ("reject:0.5", "ngram", "reads the shipped acceptance head"),
+])
+def test_a_variant_confidence_is_checked_before_loading(capsys, conf, draft, words):
+    """--variant's CONF (a confidence or reject:H, SpecDec++'s --max-reject for the shipped head) is refused in one
+    line, exit 2, before any model loads."""
+    from benchmarks import run
+
+    tree = "-" if draft == "ngram" else "3"
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--variant", "v", draft, tree, conf, "-", "--no-llama", "--dtypes", "float32"])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_reject_variant_becomes_max_reject():
+    from benchmarks.methods import cli_flags, variant_row
+
+    row = variant_row(["v", "head", "6", "reject:0.5", "-"])
+    assert row.max_reject == 0.5 and row.min_confidence is None and row.tree == (6,)
+    assert cli_flags(row) == "--draft head --tree 6 --max-reject 0.5"

@@ -451,6 +451,46 @@ def test_build_corpus_from_stored_continuations_by_command_line(model_dir, tmp_p
     assert code == 2 and "no continuation manifest" in err
 
 
+def test_acceptance_head_from_stored_continuations_by_command_line(model_dir, tmp_path, capsys):
+    """``acceptance``: SpecDec++'s acceptance head trained on a continuation folder for a head file, written with
+    its record (the head's SHA-256, scores on held-out sequences); bad settings are one error line, exit 2."""
+    from transformers import AutoTokenizer
+
+    from treespec.distill.continuations import ContinuationOptions, build_continuations
+    from treespec.distill.corpus import read_prompts
+    from treespec.drafting.head import new_head
+    from treespec.drafting.stopping import AcceptanceHead
+    from treespec.files import file_sha256
+    from treespec.models.loading import load_model
+
+    p = write_prompts(tmp_path / "train.jsonl", PROMPTS)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = read_prompts(p, seed=0)[0:6]
+    model = load_model(str(model_dir), dtype="float32")
+    cont = tmp_path / "cont"
+    build_continuations(model, [tok(r["prompt"])["input_ids"] for r in rows], cont,
+                        ContinuationOptions(new_tokens=12, batch_size=2, chunk_size=2), eos={2}, progress=False,
+                        source={"prompts": p.name, "rows": "0:6", "order_seed": 0})
+    head_file = tmp_path / "head.safetensors"
+    new_head(model, torch.arange(0, 200, 2), num_heads=2).save(head_file)
+    common = ["acceptance", "--target", model_dir, "--dtype", "float32", "--no-progress", "--prompts", p,
+              "--continuations", cont, "--head", head_file, "--depths", 2, "--positions", 4, "--epochs", 2,
+              "--held-out", 0.34]
+    code, out, err = run_cli([*common, "--out", tmp_path / "stop.safetensors", "--json", tmp_path / "r.json"],
+                             capsys)
+    assert code == 0, err
+    record = last_json(out)
+    assert record["head_sha256"] == file_sha256(head_file) and record["sequences"] == 6
+    assert set(record["held_out_scores"]) == {"greedy", "sampled"}
+    assert AcceptanceHead.load(tmp_path / "stop.safetensors").extra == json.loads((tmp_path / "r.json").read_text())
+    for extra, words in ((["--held-out", 1.5], "--held-out must be in [0, 1)"), (["--lr", 0], "--lr must be"),
+                         (["--chunks", "7:9"], "no finished chunk"), (["--rows", "1:7"], "other prompts"),
+                         (["--positions", 0], "--positions must be >= 1")):
+        code, _, err = run_cli([*common, *extra, "--out", tmp_path / "x.safetensors"], capsys)
+        assert code == 2 and words in err and err.count("\n") == 1, (extra, err)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 # ---------------------------------------------------------------------- damaged resume files
 def _tiny_args(model_dir: Path) -> list:
     return ["--target", model_dir, "--dtype", "float32", "--no-progress"]

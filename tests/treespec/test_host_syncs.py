@@ -138,6 +138,23 @@ def test_head_small_and_large(models, verifier):
     assert len(target_sides) == 1, target_sides
 
 
+@pytest.mark.parametrize("verifier", ["rrs", "greedy"])
+@pytest.mark.parametrize("rule", ["confidence", "predicted"])
+def test_head_with_a_stopping_rule_small_and_large(models, verifier, rule):
+    """A stopping rule adds no sync per node: the confidence and SpecDec++'s predicted acceptance (its path
+    products stay on the device; the kept / grown flags come back with the level's tokens)."""
+    from treespec.drafting.stopping import AcceptanceHead, AcceptanceHeadConfig, PredictedStop
+
+    law, temperature = VERIFIERS[verifier]
+    for widths in [(2,), (4, 4, 2, 2)]:
+        if rule == "confidence":
+            drafter = ShapeDrafter(models["head"], TreeShape.widths(widths), law, min_confidence=0.01)
+        else:
+            ah = AcceptanceHead(AcceptanceHeadConfig(models["head"].cfg.hidden_size, width=8)).eval()
+            drafter = ShapeDrafter(models["head"], TreeShape.widths(widths), law, stop=PredictedStop(ah, 0.9))
+        _check(step_syncs(models["gemma"], drafter, verifier, temperature), (rule, widths))
+
+
 @pytest.mark.parametrize("verifier,law,small,large", [
     ("kseq", "iid", TreeShape.widths((2,)), TreeShape.widths((4, 4, 2, 2))),
     ("greedy_draft", "greedy_draft", TreeShape.widths((2,)), TreeShape.widths((4, 4, 2, 2))),

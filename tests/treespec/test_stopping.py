@@ -6,8 +6,8 @@
    ``1 - max_reject`` and the template gives it some; no drawn child is ever dropped), at T = 0 and T = 1, with a
    twin that forgets the parent's product and fails the reference.
 2. The output law at T = 1 with the rule (the small trained head of test_distill, vocabulary 6): G test over seeds
-   0..399 (N = 400, alpha 1e-3, cells of expected count < 5 pooled); its twin drops the drawn children that are
-   not the draft's top token (a rule that looks at what was drawn and removes it) and must fail.
+   0..399 (N = 400, alpha 1e-3, cells of expected count < 5 pooled); its twin tells the verifier a uniform q the
+   children were not drawn from and must fail. A rule that drops a drawn child at T > 0 is refused by the drafter.
 3. Greedy output with the rule equals plain decoding; the acceptance head's file round trip and refusals; the
    training rows' labels against :func:`~treespec.drafting.head_runner.head_depth_logits`; training beats the
    draft's confidence on rows whose acceptance the confidence does not tell.
@@ -34,7 +34,7 @@ from treespec.trees.grow import ShapeDrafter
 from treespec.trees.shape import TreeShape
 
 from .test_distill import _small_head, prompts  # noqa: F401
-from .test_end_to_end_stats import ALPHA, exact_law, g_test, sample_counts
+from .test_end_to_end_stats import ALPHA, UniformQ, exact_law, g_test, sample_counts
 
 V = 128  # test_distill.prompts() draws token ids below 128
 
@@ -65,7 +65,7 @@ class Recording:
 
     def __init__(self, inner) -> None:
         self.inner, self.levels = inner, []
-        self.needs_feature = inner.needs_feature
+        self.needs_feature, self.tracks_path = inner.needs_feature, inner.tracks_path
 
     def decide(self, deterministic, q, columns, feature, parent_accept, depth) -> StopDecision:
         out = self.inner.decide(deterministic, q, columns, feature, parent_accept, depth)
@@ -86,14 +86,17 @@ def propose(target, head, rule, widths, temperature: float, seed: int, prompt_le
     hidden = target.base_model(input_ids=torch.tensor([prompt[:-1]])).last_hidden_state[0]
     drafter = ShapeDrafter(head, TreeShape.widths(widths), "iid", stop=rule)
     drafter.begin(prompt)
-    return drafter.propose(DraftState(prompt, 8, hidden), SamplingConfig(temperature),
-                           torch.Generator().manual_seed(seed))
+    draft = drafter.propose(DraftState(prompt, 8, hidden), SamplingConfig(temperature),
+                            torch.Generator().manual_seed(seed))
+    return draft, drafter
 
 
-def check_against_reference(draft, recording: Recording, ah: AcceptanceHead, max_reject: float,
+def check_against_reference(draft, drafter, recording: Recording, ah: AcceptanceHead, max_reject: float,
                             widths: tuple[int, ...]) -> None:
-    """The proposed tree against the rule's definition, node by node (see the module docstring)."""
-    tree = draft.tree
+    """The proposed tree against the rule's definition, node by node (see the module docstring); the rule's
+    inputs are checked too: each row's feature is its node's output in the head's runner, its q the softmax of
+    the head's logits on that feature (at T = 1), each child's token the column it was drawn as."""
+    tree, head = draft.tree, drafter.runner.head
     parents = tree.parents.tolist()
     depth = tree.depths.tolist()
     children: dict[int, list[int]] = {}
@@ -108,11 +111,14 @@ def check_against_reference(draft, recording: Recording, ah: AcceptanceHead, max
     for node, (lv, r) in zip(expanded, rows):
         deterministic, q, columns, feature, parent_accept, d, _ = recording.levels[lv]
         assert int(d[r]) == depth[node]
+        assert torch.equal(feature[r], drafter.runner._features[node]), "the node's own feature"
+        assert torch.allclose(q[r], torch.softmax(head.logits(feature[r][None]).float(), dim=-1)[0], atol=1e-6)
         assert math.isclose(float(parent_accept[r]), path[node], rel_tol=1e-5), "the parent's path product"
         regime = "greedy" if deterministic else "sampled"
         kids = children[node]
         assert len(kids) == widths[depth[node]], "no drawn child is dropped"
         for j, kid in enumerate(kids):
+            assert int(tree.tokens[kid]) == int(head.vocab_ids[columns[r, j]]), "the child drawn as column j"
             numbers = torch.tensor([math.log(max(float(q[r, columns[r, j]]), 1e-30)),
                                     math.log(max(float(q[r].max()), 1e-30)),
                                     float(-(q[r] * torch.log(q[r].clamp(min=1e-30))).sum()), depth[node] + 1.0])
@@ -130,8 +136,8 @@ def test_predicted_stop_follows_its_definition(target, head, temperature):
     sizes = set()
     for seed in range(12):
         rec = Recording(PredictedStop(ah, max_reject))
-        draft = propose(target, head, rec, widths, temperature, seed, prompt_len=6 + seed % 5)
-        check_against_reference(draft, rec, ah, max_reject, widths)
+        draft, drafter = propose(target, head, rec, widths, temperature, seed, prompt_len=6 + seed % 5)
+        check_against_reference(draft, drafter, rec, ah, max_reject, widths)
         sizes.add(draft.tree.num_nodes)
     assert len(sizes) > 1 and min(sizes) < 23  # the rule did shape the trees (the whole template: 23 nodes)
 
@@ -141,9 +147,9 @@ def test_a_rule_that_forgets_the_parent_fails_the_reference(target, head):
     failures = 0
     for seed in range(12):
         rec = Recording(ForgetsParent(ah, 0.45))
-        draft = propose(target, head, rec, (2, 2, 2, 1), 1.0, seed, prompt_len=6 + seed % 5)
+        draft, drafter = propose(target, head, rec, (2, 2, 2, 1), 1.0, seed, prompt_len=6 + seed % 5)
         try:
-            check_against_reference(draft, rec, ah, 0.45, (2, 2, 2, 1))
+            check_against_reference(draft, drafter, rec, ah, 0.45, (2, 2, 2, 1))
         except AssertionError:
             failures += 1
     assert failures > 0
@@ -184,16 +190,23 @@ class DropsUnlikely(PredictedStop):
         return StopDecision(top, out.grow & top, out.path_accept)
 
 
+def test_the_drafter_refuses_a_rule_that_drops_a_sampled_child(target, head):
+    ah = acceptance_head(head.cfg.hidden_size, seed=4)
+    with pytest.raises(RuntimeError, match="dropped a sampled child"):
+        for seed in range(6):
+            propose(target, head, DropsUnlikely(ah, 0.5), (3, 1), 1.0, seed)
+
+
 @pytest.mark.stats
 @pytest.mark.parametrize("broken", [False, True])
 def test_output_law_at_t1_with_the_rule(tmp_path, broken):
     small, small_head = _small_head(tmp_path)
     ah = acceptance_head(small_head.cfg.hidden_size, seed=4)
-    rule = DropsUnlikely if broken else PredictedStop
+    wrap = UniformQ if broken else (lambda d: d)  # the twin: the verifier is told a q the children were not drawn from
     sampling = SamplingConfig(1.0)
     n = 400
-    counts = sample_counts(small, lambda: ShapeDrafter(small_head, TreeShape.widths((2, 2, 1)), "iid",
-                                                       stop=rule(ah, 0.5)), "rrs", sampling, n=n)
+    counts = sample_counts(small, lambda: wrap(ShapeDrafter(small_head, TreeShape.widths((2, 2, 1)), "iid",
+                                                            stop=PredictedStop(ah, 0.5))), "rrs", sampling, n=n)
     p_value = g_test(counts, exact_law(small, sampling), n)
     if broken:
         assert p_value < ALPHA, f"the broken twin passed (G-test p = {p_value:.2e})"
@@ -219,6 +232,8 @@ def test_acceptance_head_file_round_trip_and_refusals(tmp_path, target, head):
     wrong = PredictedStop(acceptance_head(head.cfg.hidden_size + 1), 0.5)
     with pytest.raises(ValueError, match="width"):
         propose(target, head, wrong, (2, 1), 1.0, 0)
+    with pytest.raises(ValueError, match="not both"):
+        ShapeDrafter(head, TreeShape.widths((2,)), "iid", min_confidence=-0.1, stop=PredictedStop(ah, 0.5))
     with pytest.raises(ValueError, match="max_reject"):
         PredictedStop(ah, 1.0)
     with pytest.raises(ValueError, match="not both"):
@@ -226,26 +241,30 @@ def test_acceptance_head_file_round_trip_and_refusals(tmp_path, target, head):
     assert ShapeDrafter(head, TreeShape.widths((2,)), "iid", min_confidence=0.2).stop == ConfidenceStop(0.2)
 
 
-def test_training_rows_match_the_depth_logits(target, head):
-    """Greedy labels and numbers equal what :func:`head_depth_logits` gives at the same positions and depths;
-    each sampled label is min(1, p(x) / q(x)) for a token x of the subset whose q(x) is the row's."""
-    ids = prompts()[1][:30]
+def test_training_rows_match_the_depth_logits(tmp_path):
+    """Greedy labels and numbers equal what :func:`head_depth_logits` gives at the same positions and depths (a
+    trained head, so that some labels are 1); each sampled label is min(1, p(x) / q(x)) for a token x of the
+    subset whose q(x) is the row's."""
+    small, small_head = _small_head(tmp_path)
+    ids = [1 + b % 5 for b in prompts()[1][:30]]
     opts = AcceptanceRowsOptions(depths=3, positions=5, draws=2, seed=0)
-    got = sequence_rows(target, head, ids, 12, opts, torch.Generator().manual_seed(0))
+    got = sequence_rows(small, small_head, ids, 12, opts, torch.Generator().manual_seed(0))
+    # the rows sequence_rows samples: 5 of the entry rows 10 .. 27 (predicting the generated tokens 12 ..)
     rows = torch.randperm(len(ids) - 2 - 10, generator=torch.Generator().manual_seed(0))[:5] + 10
     rows, _ = rows.sort()
-    t_logits, d_all = head_depth_logits(head, target, torch.tensor([ids]), 3)
+    t_logits, d_all = head_depth_logits(small_head, small, torch.tensor([ids]), 3)
     p = torch.softmax(t_logits, dim=-1)
     feat, numbers, label = got["greedy"]
-    assert label.numel() == 15
+    assert label.numel() == 15 and 0 < label.sum() < 15
     for k in range(3):
         for i, row in enumerate(rows.tolist()):
             n = k * 5 + i
             q_full = torch.softmax(d_all[k][row], dim=-1)
             x = int(q_full.argmax())
             assert float(label[n]) == float(x == int(p[row].argmax()))
-            assert math.isclose(float(numbers[n, 0]), math.log(float(q_full[x])), rel_tol=1e-4, abs_tol=1e-4)
-            assert float(numbers[n, 3]) == k + 1
+            logq = torch.log(q_full[small_head.vocab_ids])
+            want = [float(logq.max()), float(logq.max()), float(-(logq.exp() * logq).sum()), k + 1.0]
+            assert torch.allclose(numbers[n], torch.tensor(want), atol=1e-4)
     _, s_numbers, s_label = got["sampled"]
     assert s_label.numel() == 30
     for n in range(30):

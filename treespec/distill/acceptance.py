@@ -12,8 +12,10 @@ the drawn token ``x`` and the label:
 - ``sampled``: ``x ~ q`` at temperature 1, label ``min(1, p(x) / q(x))``, the chance that the verifier
   accepts ``x`` (soft: its expectation over the verifier's coin, which the loss can take exactly).
 
-Only generated positions are used (``j + 1`` at or past the continuation's start), and only some of them
-(``positions`` a sequence, drawn with the seed), to keep the rows small.
+Only rows predicting generated tokens are used (row ``i`` predicts the token at ``i + 2``, at or past the
+continuation's start), and only some of them (``positions`` a sequence, drawn with the seed), to keep the rows
+small. At the first generated positions a deep row's path starts in the prompt's last tokens (at most
+``depths - 2`` positions a sequence): text the target did not choose, kept as it is rare.
 """
 
 from __future__ import annotations
@@ -130,6 +132,10 @@ def train_acceptance_head(rows: AcceptanceRows, hidden_size: int,
                           opts: AcceptanceTrainOptions = AcceptanceTrainOptions()) -> AcceptanceHead:
     """An acceptance head fitted to ``rows`` (binary cross-entropy on the soft labels, AdamW), each regime's
     network on its own rows; the numbers are standardised with the training rows' mean and spread."""
+    few = {r: n for r, n in rows.sizes.items() if n < 2}
+    if few:
+        raise ValueError(f"too few training rows to fit an acceptance head: {few} (longer or more sequences, or a "
+                         "smaller --held-out)")
     torch.manual_seed(opts.seed)
     head = AcceptanceHead(AcceptanceHeadConfig(hidden_size, opts.width))
     every = torch.cat([rows.numbers[r] for r in REGIMES])

@@ -1,4 +1,5 @@
-"""``python -m treespec.distill build-corpus | train | medusa | evaluate | acceptance`` on the embedded Gemma-3-270M (or any HF LM).
+"""``python -m treespec.distill build-corpus | train | medusa | evaluate | export | acceptance`` (on the embedded
+Gemma-3-270M or any Hugging Face causal LM).
 
 Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
 otherwise: corpora in ``corpus/<name>``, runs (checkpoints, ``head.safetensors``) in ``runs/<name>``.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -162,6 +164,7 @@ def _add_acceptance(sub) -> None:
     _common_arguments(a)
     a.add_argument("--continuations", required=True, help="a continuation folder (build_continuations)")
     a.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
+    a.add_argument("--prompts", default=DEFAULT_TRAIN, help="the train prompts jsonl the continuations came from")
     a.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
     a.add_argument("--head", default=None, help="the draft head .safetensors (default: the shipped head)")
     a.add_argument("--out", required=True, help="acceptance head .safetensors to write (atomically)")
@@ -211,6 +214,11 @@ def _check_numbers(args) -> None:
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise DistillInputError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    for name in ("lr", "weight_decay"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0 and (value > 0 or name != "lr")):
+            raise DistillInputError(f"--{name.replace('_', '-')} must be a finite number "
+                                    f"{'> 0' if name == 'lr' else '>= 0'}, got {value}")
     held_out = getattr(args, "held_out", None)
     if held_out is not None and not 0.0 <= held_out < 1.0:
         raise DistillInputError(f"--held-out must be in [0, 1), got {held_out}")
@@ -227,34 +235,40 @@ def _check_target(args) -> None:
         raise DistillInputError(f"--target {target}: no such model directory")
 
 
-def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
-    """``build-corpus --continuations DIR``: stage 2 of a corpus (see ``build_corpus_from_continuations``)."""
-    from .continuations import (MANIFEST, build_corpus_from_continuations, continuation_sequences,
-                                load_continuation_manifest)
+def _continuation_prompts(folder: Path, rows: str | None, prompts: str, tokenizer) -> list[list[int]]:
+    """The token ids of every prompt a continuation folder was generated from: rows ``rows`` (``START:END``; None:
+    as its manifest records) of the seeded order of ``prompts``, cut as the recipe cut them, by the reader."""
+    from .continuations import MANIFEST, load_continuation_manifest
     from .corpus import read_prompts
 
-    folder = Path(args.continuations)
     mpath = folder / MANIFEST
     if not mpath.is_file():
         raise DistillInputError(f"--continuations {folder}: no continuation manifest ({MANIFEST}) there")
-    if args.continuation != "none" or args.max_prompts is not None:
-        raise DistillInputError("--continuations takes its prompts and continuations from the folder: "
-                                "drop --continuation / --max-prompts")
     source = load_continuation_manifest(folder).get("source", {})
     if not isinstance(source, dict):
         raise DistillInputError(f"--continuations {folder}: its manifest's 'source' must be a JSON object")
-    rows_arg = args.rows or source.get("rows")
+    rows_arg = rows or source.get("rows")
     if rows_arg is None:
         raise DistillInputError(f"--continuations {folder}: its manifest does not record the prompt rows; "
                                 "pass --rows START:END as given to the recipe")
+    lo, hi = _span(rows_arg, "--rows")
     try:
-        start, _, end = rows_arg.partition(":")
-        lo, hi = int(start or 0), (int(end) if end else None)
-    except ValueError:
-        raise DistillInputError(f"--rows {rows_arg!r}: expected START:END") from None
-    rows = read_prompts(args.prompts, seed=int(source.get("order_seed", 0)))[lo:hi]
+        seed = int(source.get("order_seed", 0))
+    except (TypeError, ValueError):
+        raise DistillInputError(f"--continuations {folder}: its manifest's order_seed is not an integer") from None
+    return [tokenizer(r["prompt"])["input_ids"] for r in read_prompts(prompts, seed=seed)[lo:hi]]
+
+
+def _build_from_continuations(args, opts, load_model, load_tokenizer) -> None:
+    """``build-corpus --continuations DIR``: stage 2 of a corpus (see ``build_corpus_from_continuations``)."""
+    from .continuations import build_corpus_from_continuations, continuation_sequences
+
+    if args.continuation != "none" or args.max_prompts is not None:
+        raise DistillInputError("--continuations takes its prompts and continuations from the folder: "
+                                "drop --continuation / --max-prompts")
+    folder = Path(args.continuations)
     tok = load_tokenizer(args.target)
-    prompt_ids = [tok(r["prompt"])["input_ids"] for r in rows]  # cut as the recipe cut them, by the reader
+    prompt_ids = _continuation_prompts(folder, args.rows, args.prompts, tok)
     try:
         continuation_sequences(folder, prompt_ids)  # other prompts are refused before the target is loaded
     except ValueError as err:
@@ -470,10 +484,6 @@ def _evaluate(args) -> None:
         atomic_write_json(args.json, result)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
-
-
 def _span(text: str | None, flag: str) -> tuple[int, int | None]:
     """``START:END`` (either side may be empty) as integers."""
     if text is None:
@@ -493,17 +503,14 @@ def _acceptance(args) -> None:
     from ..models.loading import load_model, load_tokenizer
     from .acceptance import (AcceptanceRowsOptions, AcceptanceTrainOptions, collect_rows, score, split_rows,
                              train_acceptance_head)
-    from .continuations import MANIFEST, continuation_sequences, load_continuation_manifest
-    from .corpus import read_prompts
+    from .continuations import continuation_sequences
 
     folder = Path(args.continuations)
-    if not (folder / MANIFEST).is_file():
-        raise DistillInputError(f"--continuations {folder}: no continuation manifest ({MANIFEST}) there")
-    source = load_continuation_manifest(folder).get("source", {})
-    lo, hi = _span(args.rows or (source.get("rows") if isinstance(source, dict) else None), "--rows")
-    rows = read_prompts(DEFAULT_TRAIN, seed=int(source.get("order_seed", 0)))[lo:hi]
     tok = load_tokenizer(args.target)
-    stored = continuation_sequences(folder, [tok(r["prompt"])["input_ids"] for r in rows])
+    try:
+        stored = continuation_sequences(folder, _continuation_prompts(folder, args.rows, args.prompts, tok))
+    except ValueError as err:
+        raise DistillInputError(str(err)) from None
     first, end = _span(args.chunks, "--chunks")
     chunks = [c for c in stored.chunks if c >= first and (end is None or c < end)]
     if not chunks:
@@ -525,3 +532,7 @@ def _acceptance(args) -> None:
     if args.json:
         atomic_write_json(Path(args.json), record)
     print(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

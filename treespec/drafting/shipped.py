@@ -72,4 +72,11 @@ def load_default_stop_head(device: torch.device | str = "cpu") -> AcceptanceHead
     if not DEFAULT_STOP_HEAD.exists():
         raise FileNotFoundError(f"the shipped acceptance head is missing ({DEFAULT_STOP_HEAD}); reinstall treespec "
                                 "or drop --max-reject")
-    return AcceptanceHead.load(DEFAULT_STOP_HEAD, device)
+    from ..files import file_sha256
+
+    stop_head = AcceptanceHead.load(DEFAULT_STOP_HEAD, device)
+    trained_for = getattr(stop_head, "extra", {}).get("head_sha256")
+    if trained_for != file_sha256(DEFAULT_HEAD):
+        raise ValueError(f"the shipped acceptance head ({DEFAULT_STOP_HEAD.name}) was trained for another draft head "
+                         "than the shipped one; retrain it with recipes/acceptance_head.sh")
+    return stop_head

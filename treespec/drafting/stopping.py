@@ -84,7 +84,7 @@ class AcceptanceHead(nn.Module):
         self.register_buffer("number_scale", torch.ones(NUM_NUMBERS))
 
     def logit(self, regime: str, feature: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
-        """Acceptance logits ``[..., ]`` of features ``[..., H]`` and numbers ``[..., 4]``."""
+        """Acceptance logits ``[...]`` of features ``[..., H]`` and numbers ``[..., 4]``."""
         f = feature.float()
         f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)
         x = torch.cat([f, (numbers.float() - self.number_shift) / self.number_scale], dim=-1)
@@ -124,13 +124,14 @@ class ConfidenceStop:
 
     min_confidence: float
     needs_feature = False
+    tracks_path = False  # decide() takes no parent_accept / depth (None)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
 
     def decide(self, deterministic: bool, q: torch.Tensor, columns: torch.Tensor, feature: torch.Tensor | None,
-               parent_accept: torch.Tensor, depth: torch.Tensor) -> StopDecision:
+               parent_accept: torch.Tensor | None, depth: torch.Tensor | None) -> StopDecision:
         """``q`` ``[M, Vs]``: the probabilities the children ``columns`` ``[M, k]`` were ranked or drawn by."""
         confident = q.gather(1, columns.clamp(min=0)) >= self.min_confidence  # [M, k]
         keep = confident if deterministic else torch.ones_like(confident)
@@ -146,6 +147,7 @@ class PredictedStop:
     head: AcceptanceHead
     max_reject: float
     needs_feature = True
+    tracks_path = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_reject < 1.0 or math.isnan(self.max_reject):
@@ -153,6 +155,9 @@ class PredictedStop:
 
     def decide(self, deterministic: bool, q: torch.Tensor, columns: torch.Tensor, feature: torch.Tensor | None,
                parent_accept: torch.Tensor, depth: torch.Tensor) -> StopDecision:
+        """``q`` ``[M, Vs]`` as in :class:`ConfidenceStop`; ``feature`` ``[M, H]`` the draft's output behind each row;
+        ``parent_accept`` ``[M]`` each node's path acceptance; ``depth`` ``[M]`` each node's depth (the children's
+        is one more). At temperature 0 (``deterministic``) the head's greedy weights, else its sampled ones."""
         if feature is None:
             raise ValueError("the acceptance head reads the draft's features: this draft gave none")
         if feature.shape[-1] != self.head.cfg.hidden_size:

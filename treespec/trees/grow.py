@@ -74,7 +74,7 @@ class ShapeDrafter(RunnerDrafter):
                  stop: ConfidenceStop | PredictedStop | None = None) -> None:
         super().__init__(model, target_vocab_size)
         check_shape_law(shape, law)
-        if stop is not None and min_confidence > 0.0:
+        if stop is not None and min_confidence != 0.0:
             raise ValueError("give min_confidence or a stopping rule, not both")
         self.tree_shape = shape
         self.draft_law = law
@@ -95,11 +95,12 @@ class ShapeDrafter(RunnerDrafter):
         device = self.runner.device
         self.draft_forwards = 0
         chain = self._pending_chain(state)
-        parents, tokens, template, depth = [-1], [state.tokens[-1]], [0], [0]
+        parents, tokens, template = [-1], [state.tokens[-1]], [0]
         rows: list[torch.Tensor] = []  # q rows of expanded nodes, in node order
         expanded: list[int] = []
         # [nodes] the predicted chance that a node's whole path is accepted (rules that track one)
-        path_accept = torch.ones(shape.num_drafted + 1, device=device) if stop is not None else None
+        tracks = stop is not None and stop.tracks_path
+        path_accept = torch.ones(shape.num_drafted + 1, device=device) if tracks else None
         frontier = [0]
         while True:
             expand = [i for i in frontier if kids_of[template[i]]]
@@ -123,9 +124,9 @@ class ShapeDrafter(RunnerDrafter):
                 expanded.extend(expand)
             decision = None
             if stop is not None:
-                at = torch.tensor(expand, dtype=torch.long, device=device)
-                decision = stop.decide(law == "deterministic", q, drafts.tokens, draft.feature, path_accept[at],
-                                       torch.tensor([depth[i] for i in expand], device=device))
+                at = torch.tensor(expand, dtype=torch.long, device=device) if tracks else None
+                decision = stop.decide(law == "deterministic", q, drafts.tokens, draft.feature,
+                                       path_accept[at] if tracks else None, tree.depths[at] if tracks else None)
             toks, valid, keep, grow = _to_host(draft.token_ids(drafts.tokens), drafts.valid, decision)
             frontier, grown = [], []
             for r, node in enumerate(expand):
@@ -133,17 +134,19 @@ class ShapeDrafter(RunnerDrafter):
                     if not valid[r][j] or not keep[r][j]:
                         # without replacement: q's support is exhausted; a deterministic child below the
                         # confidence: ranks come in falling probability, later ones are below it too
+                        if valid[r][j] and law != "deterministic":
+                            raise RuntimeError("a stopping rule dropped a sampled child: the children's law would "
+                                               "no longer be the one the verifier assumes")
                         break
                     if grow[r][j]:  # a child that does not grow stays a leaf (a sampled child's law is intact)
                         frontier.append(len(tokens))
-                        grown.append((r, j))
+                        grown.append((len(tokens), r, j))
                     parents.append(node)
                     tokens.append(toks[r][j])
                     template.append(child_template)
-                    depth.append(depth[node] + 1)
-            if decision is not None and decision.path_accept is not None and grown:
-                rs, js = torch.tensor(grown, dtype=torch.long, device=device).T
-                path_accept[torch.tensor(frontier, dtype=torch.long, device=device)] = decision.path_accept[rs, js]
+            if tracks and grown:
+                at_node, rs, js = torch.tensor(grown, dtype=torch.long, device=device).T  # one copy
+                path_accept[at_node] = decision.path_accept[rs, js]
         self._flush_chain(chain)
         tree = TokenTree.from_lists(parents, tokens, law, device)
         self._runner_index = None  # the runner grew exactly this tree
