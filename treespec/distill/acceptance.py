@@ -20,6 +20,7 @@ small. At the first generated positions a deep row's path starts in the prompt's
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -121,43 +122,92 @@ def collect_rows(target, head, sequences: list[tuple[list[int], int]], opts: Acc
 @dataclass(frozen=True)
 class AcceptanceTrainOptions:
     width: int = 64
-    epochs: int = 8
+    epochs: int = 8  # at most: training stops at the epoch with the best validation loss
     batch: int = 512
     lr: float = 2e-3
-    weight_decay: float = 1e-4
+    weight_decay: float = 1e-2
+    validation: float = 0.1  # share of the training sequences that only choose the epoch (early stopping)
     seed: int = 0
 
 
 def train_acceptance_head(rows: AcceptanceRows, hidden_size: int,
                           opts: AcceptanceTrainOptions = AcceptanceTrainOptions()) -> AcceptanceHead:
     """An acceptance head fitted to ``rows`` (binary cross-entropy on the soft labels, AdamW), each regime's
-    network on its own rows; the numbers are standardised with the training rows' mean and spread."""
+    network on its own rows; the numbers are standardised with the training rows' mean and spread. Rows of one
+    sequence are alike (one feature serves several draws and depths), so a network that reads 640 numbers learns
+    sequences by heart: a share ``validation`` of the sequences is set aside, and each regime keeps the weights
+    of the epoch whose loss on them was lowest (``head.epochs`` records which)."""
     few = {r: n for r, n in rows.sizes.items() if n < 2}
     if few:
         raise ValueError(f"too few training rows to fit an acceptance head: {few} (longer or more sequences, or a "
                          "smaller --held-out)")
+    fit, val = split_rows(rows, opts.validation, opts.seed + 1) if opts.validation > 0 else (rows, rows)
     torch.manual_seed(opts.seed)
     head = AcceptanceHead(AcceptanceHeadConfig(hidden_size, opts.width))
-    every = torch.cat([rows.numbers[r] for r in REGIMES])
+    every = torch.cat([fit.numbers[r] for r in REGIMES])
     head.number_shift.copy_(every.mean(0))
     head.number_scale.copy_(every.std(0).clamp(min=1e-3))
     gen = torch.Generator().manual_seed(opts.seed)
+    head.epochs = {}
     for regime in REGIMES:
-        net = head.nets[regime]
-        optim = torch.optim.AdamW(net.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
-        n = rows.label[regime].numel()
-        steps = opts.epochs * math.ceil(n / opts.batch)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, max(steps, 1))
-        with torch.enable_grad():  # whatever the caller's grad mode
-            for _ in range(opts.epochs):
-                for idx in torch.randperm(n, generator=gen).split(opts.batch):
-                    logit = head.logit(regime, rows.feature[regime][idx].float(), rows.numbers[regime][idx])
-                    loss = F.binary_cross_entropy_with_logits(logit, rows.label[regime][idx])
-                    optim.zero_grad()
-                    loss.backward()
-                    optim.step()
-                    sched.step()
+        head.epochs[regime] = _fit_regime(head, regime, fit, val, opts, gen)
     return head.eval()
+
+
+def _loss(head: AcceptanceHead, regime: str, rows: AcceptanceRows) -> float:
+    with torch.no_grad():
+        logit = head.logit(regime, rows.feature[regime].float(), rows.numbers[regime])
+        return float(F.binary_cross_entropy_with_logits(logit, rows.label[regime]))
+
+
+def _fit_regime(head: AcceptanceHead, regime: str, fit: AcceptanceRows, val: AcceptanceRows,
+                opts: AcceptanceTrainOptions, gen: torch.Generator) -> int:
+    """Train one regime's network; keep its best epoch on ``val`` (0: the initial weights); return that epoch."""
+    net = head.nets[regime]
+    optim = torch.optim.AdamW(net.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
+    n = fit.label[regime].numel()
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, max(opts.epochs * math.ceil(n / opts.batch), 1))
+    best, best_epoch, best_state = _loss(head, regime, val), 0, copy.deepcopy(net.state_dict())
+    with torch.enable_grad():  # whatever the caller's grad mode
+        for epoch in range(1, opts.epochs + 1):
+            for idx in torch.randperm(n, generator=gen).split(opts.batch):
+                logit = head.logit(regime, fit.feature[regime][idx].float(), fit.numbers[regime][idx])
+                loss = F.binary_cross_entropy_with_logits(logit, fit.label[regime][idx])
+                optim.zero_grad()
+                loss.backward()
+                optim.step()
+                sched.step()
+            current = _loss(head, regime, val)
+            if current < best:
+                best, best_epoch, best_state = current, epoch, copy.deepcopy(net.state_dict())
+    net.load_state_dict(best_state)
+    return best_epoch
+
+
+def save_rows(rows: AcceptanceRows, path, key: dict) -> None:
+    """Collected rows with the settings that made them (``key``), written atomically."""
+    import io
+
+    from ..files import atomic_write
+
+    buf = io.BytesIO()
+    torch.save({"key": key, "rows": rows.__dict__}, buf)
+    atomic_write(path, lambda tmp: tmp.write_bytes(buf.getvalue()))
+
+
+def load_rows(path, key: dict) -> AcceptanceRows | None:
+    """Rows saved by :func:`save_rows` under the same ``key``, else None (rows of other settings are not reused)."""
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - a damaged cache is collected again
+        return None
+    if not isinstance(saved, dict) or saved.get("key") != key:
+        return None
+    return AcceptanceRows(**saved["rows"])
 
 
 def score(head: AcceptanceHead, rows: AcceptanceRows) -> dict[str, dict[str, float]]:

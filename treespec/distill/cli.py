@@ -170,6 +170,8 @@ def _add_acceptance(sub) -> None:
     a.add_argument("--out", required=True, help="acceptance head .safetensors to write (atomically)")
     a.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
     a.add_argument("--json", default=None, help="write the scores and settings here too")
+    a.add_argument("--rows-cache", default=None,
+                   help="keep the collected rows in this file and reuse them when the same settings ask again")
     from .acceptance import AcceptanceRowsOptions, AcceptanceTrainOptions
 
     _config_arguments(a, AcceptanceRowsOptions())
@@ -219,9 +221,10 @@ def _check_numbers(args) -> None:
         if value is not None and not (math.isfinite(value) and value >= 0 and (value > 0 or name != "lr")):
             raise DistillInputError(f"--{name.replace('_', '-')} must be a finite number "
                                     f"{'> 0' if name == 'lr' else '>= 0'}, got {value}")
-    held_out = getattr(args, "held_out", None)
-    if held_out is not None and not 0.0 <= held_out < 1.0:
-        raise DistillInputError(f"--held-out must be in [0, 1), got {held_out}")
+    for name in ("held_out", "validation"):
+        share = getattr(args, name, None)
+        if share is not None and not 0.0 <= share < 1.0:
+            raise DistillInputError(f"--{name.replace('_', '-')} must be in [0, 1), got {share}")
     limit = getattr(args, "time_limit", None)
     if limit is not None and not limit > 0:
         raise DistillInputError(f"--time-limit must be > 0 minutes, got {limit}")
@@ -501,8 +504,8 @@ def _acceptance(args) -> None:
     from ..drafting.shipped import DEFAULT_HEAD
     from ..files import file_sha256
     from ..models.loading import load_model, load_tokenizer
-    from .acceptance import (AcceptanceRowsOptions, AcceptanceTrainOptions, collect_rows, score, split_rows,
-                             train_acceptance_head)
+    from .acceptance import (AcceptanceRowsOptions, AcceptanceTrainOptions, collect_rows, load_rows, save_rows,
+                             score, split_rows, train_acceptance_head)
     from .continuations import continuation_sequences
 
     folder = Path(args.continuations)
@@ -520,13 +523,20 @@ def _acceptance(args) -> None:
     model = load_model(args.target, dtype=args.dtype)
     head = EagleHead.load(head_path, model).eval()
     rows_opts = AcceptanceRowsOptions(args.depths, args.positions, args.draws, args.seed)
-    all_rows = collect_rows(model, head, sequences, rows_opts, progress=not args.no_progress)
+    key = {"head_sha256": file_sha256(head_path), "fingerprint": stored.fingerprint, "chunks": chunks,
+           "row_options": rows_opts.__dict__, "dtype": str(model.dtype)}
+    all_rows = load_rows(args.rows_cache, key) if args.rows_cache else None
+    if all_rows is None:
+        all_rows = collect_rows(model, head, sequences, rows_opts, progress=not args.no_progress)
+        if args.rows_cache:
+            save_rows(all_rows, args.rows_cache, key)
     train_rows, held = split_rows(all_rows, args.held_out, args.seed)
-    train_opts = AcceptanceTrainOptions(args.width, args.epochs, args.batch, args.lr, args.weight_decay, args.seed)
+    train_opts = AcceptanceTrainOptions(args.width, args.epochs, args.batch, args.lr, args.weight_decay,
+                                        args.validation, args.seed)
     stop_head = train_acceptance_head(train_rows, head.cfg.hidden_size, train_opts)
-    record = {"head": str(head_path.name), "head_sha256": file_sha256(head_path), "continuations": str(folder),
+    record = {"head": str(head_path.name), "head_sha256": key["head_sha256"], "continuations": str(folder),
               "chunks": chunks, "sequences": len(sequences), "rows": train_rows.sizes, "held_out_rows": held.sizes,
-              "row_options": rows_opts.__dict__, "train_options": train_opts.__dict__,
+              "row_options": rows_opts.__dict__, "train_options": train_opts.__dict__, "best_epochs": stop_head.epochs,
               "held_out_scores": score(stop_head, held), "train_scores": score(stop_head, train_rows)}
     stop_head.save(args.out, extra=record)
     if args.json:
