@@ -39,8 +39,8 @@ class Row:
     """One method row. ``draft``: the ``--draft`` word (None: ``--plain``; for ``hf`` / ``llama`` rows
     ``prompt-lookup`` or ``assistant``); ``tree`` / ``min_confidence`` / ``law`` / ``quantize`` / ``max_reject``:
     ``--tree``, ``--min-confidence``, ``--law``, ``--draft-quantize``, ``--max-reject`` (None: the CLI's default);
-    ``leaf_logits``: False for ``--leaf-logits off``; ``drafter``: a key of :data:`CUSTOM_DRAFTERS` (a drafter the CLI does not build) with
-    its constructor ``settings``; ``protocol``: part of the default protocol."""
+    ``leaf_logits``: False for ``--leaf-logits off``; ``drafter``: a key of :data:`CUSTOM_DRAFTERS` (a drafter the
+    CLI does not build) with its constructor ``settings``; ``protocol``: part of the default protocol."""
 
     name: str
     target: str

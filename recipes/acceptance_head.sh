@@ -6,9 +6,11 @@
 # draft depths 1-6; the greedy rows label the head's top token by the target's, the sampled rows draw 2 tokens from
 # q at T=1 and label each with min(1, p/q). 10% of the sequences are held out and scored (cross-entropy and Brier
 # score against the draft's confidence q(x) taken as the prediction); 10% of the training sequences choose the
-# epoch (early stopping: a first run on chunks 20-27 without it fitted the training sequences, cross-entropy 0.34,
-# and lost to the confidence on held-out ones, 0.66 against 0.61). About 10 minutes on two threads of an AMD EPYC
-# in float32 to collect the rows, then a minute to train; with ROWS_CACHE the rows are kept and a rerun only trains.
+# epoch (early stopping; a first run on chunks 20-27 without it and with weight decay 1e-4 fitted its training
+# sequences and lost to the confidence on held-out ones: benchmarks/results/draft/2026-11-28-a5d0993-acceptance-head-
+# first-run; the shipped run's best epoch was the first in both regimes). About 15 minutes on two threads of an AMD
+# EPYC in float32 to collect the rows, then a minute to train; with ROWS_CACHE the rows are kept and a rerun only
+# trains.
 # OUT (default treespec/assets/gemma3-270m-stop.safetensors), JSON (the record, default next to OUT), THREADS (2),
 # ROWS_CACHE (a file for the rows, e.g. .cache/acceptance-rows.pt).
 set -euo pipefail

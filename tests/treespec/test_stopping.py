@@ -299,3 +299,26 @@ def test_training_beats_the_confidence_where_the_feature_tells():
             assert s["head_xent"] > 0.6
         else:
             assert s["head_xent"] < 0.3 < s["confidence_xent"]
+
+
+def test_rows_cache_round_trip_and_small_splits(tmp_path):
+    """Rows saved under a key come back under that key only (a folder that does not exist yet is made); a
+    validation share that would leave no rows to fit is refused by name."""
+    from treespec.distill.acceptance import load_rows, save_rows
+
+    n = 30
+    feature, numbers = torch.randn(n, 8), torch.randn(n, 4)
+    label, seq = torch.rand(n), torch.arange(n) // 10
+    rows = AcceptanceRows(*({r: v for r in REGIMES} for v in (feature.half(), numbers, label, seq)))
+    path = tmp_path / "new" / "rows.pt"
+    save_rows(rows, path, {"a": 1})
+    back = load_rows(path, {"a": 1})
+    assert back is not None and all(torch.equal(back.label[r], rows.label[r]) for r in REGIMES)
+    assert load_rows(path, {"a": 2}) is None and load_rows(tmp_path / "none.pt", {"a": 1}) is None
+    fit, out = split_rows(rows, 0.99, 0)  # three sequences: one stays in
+    assert fit.sizes["greedy"] == 10 and out.sizes["greedy"] == 20
+    one = AcceptanceRows(*({r: v[:10] for r in REGIMES} for v in (feature.half(), numbers, label, seq)))
+    with pytest.raises(ValueError, match="too few rows"):
+        train_acceptance_head(one, 8, AcceptanceTrainOptions(width=4, epochs=1))
+    ah = train_acceptance_head(rows, 8, AcceptanceTrainOptions(width=4, epochs=2, validation=0.0))
+    assert ah.epochs == {"greedy": 2, "sampled": 2}  # no validation: the last epoch

@@ -137,11 +137,12 @@ def train_acceptance_head(rows: AcceptanceRows, hidden_size: int,
     sequence are alike (one feature serves several draws and depths), so a network that reads 640 numbers learns
     sequences by heart: a share ``validation`` of the sequences is set aside, and each regime keeps the weights
     of the epoch whose loss on them was lowest (``head.epochs`` records which)."""
-    few = {r: n for r, n in rows.sizes.items() if n < 2}
+    fit, val = split_rows(rows, opts.validation, opts.seed + 1) if opts.validation > 0 else (rows, None)
+    few = {r: (fit.sizes[r], val.sizes[r] if val is not None else None) for r in REGIMES
+           if fit.sizes[r] < 2 or (val is not None and val.sizes[r] < 1)}
     if few:
-        raise ValueError(f"too few training rows to fit an acceptance head: {few} (longer or more sequences, or a "
-                         "smaller --held-out)")
-    fit, val = split_rows(rows, opts.validation, opts.seed + 1) if opts.validation > 0 else (rows, rows)
+        raise ValueError(f"too few rows to fit an acceptance head (fitted, validation rows per regime: {few}); "
+                         "give longer or more sequences, or smaller --held-out / --validation shares")
     torch.manual_seed(opts.seed)
     head = AcceptanceHead(AcceptanceHeadConfig(hidden_size, opts.width))
     every = torch.cat([fit.numbers[r] for r in REGIMES])
@@ -160,14 +161,15 @@ def _loss(head: AcceptanceHead, regime: str, rows: AcceptanceRows) -> float:
         return float(F.binary_cross_entropy_with_logits(logit, rows.label[regime]))
 
 
-def _fit_regime(head: AcceptanceHead, regime: str, fit: AcceptanceRows, val: AcceptanceRows,
+def _fit_regime(head: AcceptanceHead, regime: str, fit: AcceptanceRows, val: AcceptanceRows | None,
                 opts: AcceptanceTrainOptions, gen: torch.Generator) -> int:
-    """Train one regime's network; keep its best epoch on ``val`` (0: the initial weights); return that epoch."""
+    """Train one regime's network; keep its best epoch on ``val`` (0: the initial weights; without ``val`` the
+    last epoch); return that epoch."""
     net = head.nets[regime]
     optim = torch.optim.AdamW(net.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     n = fit.label[regime].numel()
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, max(opts.epochs * math.ceil(n / opts.batch), 1))
-    best, best_epoch, best_state = _loss(head, regime, val), 0, copy.deepcopy(net.state_dict())
+    best, best_epoch, best_state = (_loss(head, regime, val) if val is not None else math.inf), 0, None
     with torch.enable_grad():  # whatever the caller's grad mode
         for epoch in range(1, opts.epochs + 1):
             for idx in torch.randperm(n, generator=gen).split(opts.batch):
@@ -177,10 +179,11 @@ def _fit_regime(head: AcceptanceHead, regime: str, fit: AcceptanceRows, val: Acc
                 loss.backward()
                 optim.step()
                 sched.step()
-            current = _loss(head, regime, val)
+            current = _loss(head, regime, val) if val is not None else -epoch  # no validation: the last
             if current < best:
                 best, best_epoch, best_state = current, epoch, copy.deepcopy(net.state_dict())
-    net.load_state_dict(best_state)
+    if best_state is not None:
+        net.load_state_dict(best_state)
     return best_epoch
 
 
@@ -190,6 +193,9 @@ def save_rows(rows: AcceptanceRows, path, key: dict) -> None:
 
     from ..files import atomic_write
 
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save({"key": key, "rows": rows.__dict__}, buf)
     atomic_write(path, lambda tmp: tmp.write_bytes(buf.getvalue()))
@@ -201,11 +207,15 @@ def load_rows(path, key: dict) -> AcceptanceRows | None:
 
     if not Path(path).is_file():
         return None
+    import sys
+
     try:
         saved = torch.load(path, weights_only=True)
-    except Exception:  # noqa: BLE001 - a damaged cache is collected again
+    except Exception as err:  # noqa: BLE001 - a damaged cache is collected again
+        print(f"acceptance rows: {path} is not readable ({type(err).__name__}); collecting again", file=sys.stderr)
         return None
     if not isinstance(saved, dict) or saved.get("key") != key:
+        print(f"acceptance rows: {path} holds rows of other settings; collecting again", file=sys.stderr)
         return None
     return AcceptanceRows(**saved["rows"])
 
@@ -233,7 +243,9 @@ def split_rows(rows: AcceptanceRows, held_out: float, seed: int) -> tuple[Accept
     """(training, held-out) rows, whole sequences to one side (a share ``held_out`` of the sequences)."""
     seqs = torch.unique(torch.cat([rows.sequence[r] for r in REGIMES]))
     perm = seqs[torch.randperm(seqs.numel(), generator=torch.Generator().manual_seed(seed))]
-    out_seqs = perm[: max(1, round(held_out * seqs.numel()))] if held_out > 0 else perm[:0]
+    # at least one sequence out, and at least one kept in (where there are two)
+    count = min(max(1, round(held_out * seqs.numel())), max(seqs.numel() - 1, 0)) if held_out > 0 else 0
+    out_seqs = perm[:count]
     parts = []
     for keep_out in (False, True):
         masks = {r: torch.isin(rows.sequence[r], out_seqs) == keep_out for r in REGIMES}

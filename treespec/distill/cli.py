@@ -169,6 +169,8 @@ def _add_acceptance(sub) -> None:
     a.add_argument("--head", default=None, help="the draft head .safetensors (default: the shipped head)")
     a.add_argument("--out", required=True, help="acceptance head .safetensors to write (atomically)")
     a.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
+    a.add_argument("--validation", type=float, default=0.1,
+                   help="share of the training sequences that choose the epoch (0: the last epoch)")
     a.add_argument("--json", default=None, help="write the scores and settings here too")
     a.add_argument("--rows-cache", default=None,
                    help="keep the collected rows in this file and reuse them when the same settings ask again")
@@ -176,7 +178,7 @@ def _add_acceptance(sub) -> None:
 
     _config_arguments(a, AcceptanceRowsOptions())
     for field, default in AcceptanceTrainOptions().__dict__.items():
-        if field != "seed":
+        if field not in ("seed", "validation"):
             a.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
 
 
@@ -523,8 +525,9 @@ def _acceptance(args) -> None:
     model = load_model(args.target, dtype=args.dtype)
     head = EagleHead.load(head_path, model).eval()
     rows_opts = AcceptanceRowsOptions(args.depths, args.positions, args.draws, args.seed)
-    key = {"head_sha256": file_sha256(head_path), "fingerprint": stored.fingerprint, "chunks": chunks,
-           "row_options": rows_opts.__dict__, "dtype": str(model.dtype)}
+    key = {"format": 1, "target": str(args.target), "head_sha256": file_sha256(head_path),
+           "fingerprint": stored.fingerprint, "chunks": chunks, "row_options": rows_opts.__dict__,
+           "dtype": str(model.dtype)}
     all_rows = load_rows(args.rows_cache, key) if args.rows_cache else None
     if all_rows is None:
         all_rows = collect_rows(model, head, sequences, rows_opts, progress=not args.no_progress)
