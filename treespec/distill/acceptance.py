@@ -169,7 +169,9 @@ def _fit_regime(head: AcceptanceHead, regime: str, fit: AcceptanceRows, val: Acc
     optim = torch.optim.AdamW(net.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     n = fit.label[regime].numel()
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, max(opts.epochs * math.ceil(n / opts.batch), 1))
-    best, best_epoch, best_state = (_loss(head, regime, val) if val is not None else math.inf), 0, None
+    best, best_epoch, best_state = math.inf, 0, None
+    if val is not None:  # epoch 0: the initial weights, kept where no epoch does better
+        best, best_state = _loss(head, regime, val), copy.deepcopy(net.state_dict())
     with torch.enable_grad():  # whatever the caller's grad mode
         for epoch in range(1, opts.epochs + 1):
             for idx in torch.randperm(n, generator=gen).split(opts.batch):
