@@ -420,9 +420,9 @@ def test_read_only_corrupted_cache_is_one_line_and_status_2(tmp_path, monkeypatc
     assert "Traceback" not in err and out == ""
 
 
-def test_build_corpus_from_stored_continuations_by_command_line(model_dir, tmp_path, capsys):
-    """``build-corpus --continuations DIR``: rows from the folder's recorded source (or --rows), one shard
-    per chunk, the JSON summary; bad combinations and a mismatched row range are one error line, exit 2."""
+def continuation_folder(model_dir: Path, tmp_path: Path, start: int, end: int, new_tokens: int):
+    """(prompts file, continuation folder, model): the tiny model's continuations of rows ``start:end`` of the
+    seeded order of PROMPTS, two per chunk, recording their source as the recipes do."""
     from transformers import AutoTokenizer
 
     from treespec.distill.continuations import ContinuationOptions, build_continuations
@@ -431,12 +431,19 @@ def test_build_corpus_from_stored_continuations_by_command_line(model_dir, tmp_p
 
     p = write_prompts(tmp_path / "train.jsonl", PROMPTS)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = read_prompts(p, seed=0)[1:5]
+    rows = read_prompts(p, seed=0)[start:end]
     model = load_model(str(model_dir), dtype="float32")
     cont = tmp_path / "cont"
     build_continuations(model, [tok(r["prompt"])["input_ids"] for r in rows], cont,
-                        ContinuationOptions(new_tokens=3, batch_size=2, chunk_size=2), eos={2}, progress=False,
-                        source={"prompts": p.name, "rows": "1:5", "order_seed": 0})
+                        ContinuationOptions(new_tokens=new_tokens, batch_size=2, chunk_size=2), eos={2},
+                        progress=False, source={"prompts": p.name, "rows": f"{start}:{end}", "order_seed": 0})
+    return p, cont, model
+
+
+def test_build_corpus_from_stored_continuations_by_command_line(model_dir, tmp_path, capsys):
+    """``build-corpus --continuations DIR``: rows from the folder's recorded source (or --rows), one shard
+    per chunk, the JSON summary; bad combinations and a mismatched row range are one error line, exit 2."""
+    p, cont, _ = continuation_folder(model_dir, tmp_path, 1, 5, new_tokens=3)
     common = ["build-corpus", "--target", model_dir, "--dtype", "float32", "--no-progress", "--prompts", p,
               "--continuations", cont, "--topk", 0]
     code, out, err = run_cli([*common, "--out", tmp_path / "c"], capsys)
@@ -454,23 +461,11 @@ def test_build_corpus_from_stored_continuations_by_command_line(model_dir, tmp_p
 def test_acceptance_head_from_stored_continuations_by_command_line(model_dir, tmp_path, capsys):
     """``acceptance``: SpecDec++'s acceptance head trained on a continuation folder for a head file, written with
     its record (the head's SHA-256, scores on held-out sequences); bad settings are one error line, exit 2."""
-    from transformers import AutoTokenizer
-
-    from treespec.distill.continuations import ContinuationOptions, build_continuations
-    from treespec.distill.corpus import read_prompts
     from treespec.drafting.head import new_head
     from treespec.drafting.stopping import AcceptanceHead
     from treespec.files import file_sha256
-    from treespec.models.loading import load_model
 
-    p = write_prompts(tmp_path / "train.jsonl", PROMPTS)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = read_prompts(p, seed=0)[0:6]
-    model = load_model(str(model_dir), dtype="float32")
-    cont = tmp_path / "cont"
-    build_continuations(model, [tok(r["prompt"])["input_ids"] for r in rows], cont,
-                        ContinuationOptions(new_tokens=12, batch_size=2, chunk_size=2), eos={2}, progress=False,
-                        source={"prompts": p.name, "rows": "0:6", "order_seed": 0})
+    p, cont, model = continuation_folder(model_dir, tmp_path, 0, 6, new_tokens=12)
     head_file = tmp_path / "head.safetensors"
     new_head(model, torch.arange(0, 200, 2), num_heads=2).save(head_file)
     common = ["acceptance", "--target", model_dir, "--dtype", "float32", "--no-progress", "--prompts", p,

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -195,8 +197,6 @@ def save_rows(rows: AcceptanceRows, path, key: dict) -> None:
 
     from ..files import atomic_write
 
-    from pathlib import Path
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save({"key": key, "rows": rows.__dict__}, buf)
@@ -205,12 +205,8 @@ def save_rows(rows: AcceptanceRows, path, key: dict) -> None:
 
 def load_rows(path, key: dict) -> AcceptanceRows | None:
     """Rows saved by :func:`save_rows` under the same ``key``, else None (rows of other settings are not reused)."""
-    from pathlib import Path
-
     if not Path(path).is_file():
         return None
-    import sys
-
     try:
         saved = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - a damaged cache is collected again
