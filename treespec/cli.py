@@ -148,7 +148,9 @@ def _shaping_flag(args: argparse.Namespace) -> str | None:
 
 def _reads_head(draft: str) -> bool:
     """Whether a resolved ``--draft`` word drafts with a head (the shipped one or a head file)."""
-    return draft in ("head", "lookup+head") or draft.endswith(".safetensors")
+    from .drafters import is_head_path
+
+    return draft in ("head", "lookup+head") or is_head_path(draft)
 
 
 def tree_nodes(branching: tuple[int, ...]) -> int:
@@ -202,7 +204,7 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
         raise CliInputError(f"--draft {draft} reads the hidden states of the embedded Gemma-3-270M; on another GGUF "
                             f"use --draft ngram or none")
     if draft.startswith("early-exit:") or (draft not in DRAFT_WORDS and not _is_ngram(draft)
-                                            and not draft.endswith(".safetensors") and not draft.startswith("lookup+")):
+                                            and not _reads_head(draft) and not draft.startswith("lookup+")):
         raise CliInputError(f"--draft {draft} needs a PyTorch target; a GGUF target drafts with ngram, head, "
                             f"lookup+head or a head file")
     shape = None  # the llama.cpp runner's limits, checked before anything loads
@@ -367,8 +369,9 @@ def _draft_arguments(g: argparse.ArgumentParser) -> None:
                         "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone: an adaptive "
                         "chain of up to 8 tokens, the measured default), 'ngram:DEPTH,BRANCHES' (prompt lookup "
                         "drafting up to BRANCHES continuations of DEPTH tokens, e.g. ngram:8,4), 'none', "
-                        "a draft causal LM path/id sharing the tokenizer, an EAGLE head .safetensors "
-                        "(python -m treespec.distill; 'lookup+PATH.safetensors' pairs it with lookup), or "
+                        "a draft causal LM path/id sharing the tokenizer, an EAGLE or EAGLE-3 head .safetensors "
+                        "(python -m treespec.distill; 'lookup+PATH.safetensors' pairs it with lookup) or an "
+                        "EAGLE-3 checkpoint folder in the layout of vLLM's speculators, or "
                         "early-exit:L (the target's first L layers as its own draft)")
     g.add_argument("--min-confidence", type=float, default=None,
                    help="adaptive draft length of a head draft, at any temperature: a drafted token gets children "
@@ -603,7 +606,7 @@ def _draft_words(draft: str, counts: list[int] | None = None) -> str:
         return f"n-gram lookup ({trees[0]}), then {head} ({trees[1]})"
     if draft == "head":
         return "the shipped head"
-    if draft.endswith(".safetensors"):
+    if _reads_head(draft):
         return f"the head {draft}"
     return f"the draft model {draft}"
 

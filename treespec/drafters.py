@@ -175,11 +175,11 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     Options left None take the shipped head's settings for ``temperature`` (0: greedy, else sampled), 4-bit weights
     included where torch's int4 kernel runs (bf16 on a CPU); a head file of its own computes in the target's dtype
     unless ``options.quantize`` asks for int4."""
-    from .drafting.head import EagleHead
+    from .drafting.head_files import load_head
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
     from .models.fast.quant import int4_kernel_missing
 
-    head = load_default_head(target) if path is None else EagleHead.load(path, target)
+    head = load_default_head(target) if path is None else load_head(path, target)
     settings = (DEFAULT_HEAD_SETTINGS["greedy" if temperature <= 0 else "sampled"] if path is None
                 else {"tree": (1, 1, 1, 1), "min_confidence": 0.0})
     quantize = options.quantize
@@ -203,6 +203,13 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     return ShapeDrafter(head, shape, law, min_confidence=confidence)
 
 
+def is_head_path(name: str) -> bool:
+    """Whether a ``--draft`` word names a head file (``.safetensors``) or a ``speculators`` EAGLE-3 checkpoint folder."""
+    from .drafting.head_files import is_speculators_checkpoint
+
+    return name.endswith(".safetensors") or is_speculators_checkpoint(name)
+
+
 def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, temperature: float = 0.0,
                   tokenizer=None, dtype: torch.dtype | None = None) -> Drafter:
     """The drafter ``--draft name`` stands for, drafting for ``target`` (a Hugging Face causal LM) at
@@ -219,7 +226,7 @@ def build_drafter(name: str, target, options: DraftOptions = DraftOptions(), *, 
             raise ValueError(f"a tree of widths {options.tree} shapes a model or head draft; n-gram lookup takes "
                              f"its shape in its name: ngram:DEPTH,BRANCHES (e.g. ngram:8,4)")
         return NgramDrafter(ngram_config(name))
-    if name.endswith(".safetensors"):  # an EAGLE-style head (python -m treespec.distill)
+    if is_head_path(name):  # an EAGLE-style head (python -m treespec.distill) or a speculators EAGLE-3 folder
         return head_drafter(target, name, options, temperature)
     from .models.loading import load_draft_model, load_model, load_tokenizer
 

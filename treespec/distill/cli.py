@@ -154,9 +154,21 @@ def _add_export(sub) -> None:
     x = sub.add_parser("export", help="write a run's newest checkpoint as a head file (training may go on)")
     x.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
     x.add_argument("--run-dir", default=None, help="... or an explicit directory")
-    x.add_argument("--out", required=True, help="head .safetensors to write (atomically)")
-    x.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    x.add_argument("--out", required=True, help="head .safetensors to write (atomically), or the checkpoint folder "
+                   "with --format speculators")
+    x.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="default float16 (treespec), bfloat16 (speculators)")
     x.add_argument("--threads", type=int, default=1)
+    x.add_argument("--format", default="treespec", choices=["treespec", "speculators"],
+                   help="speculators: an EAGLE-3 head (--layout eagle3) as vLLM / SGLang / speculators load it")
+    x.add_argument("--target", default="embedded",
+                   help="with --format speculators: the target the run trained on (its LM-head rows and embedding "
+                        "are written)")
+    x.add_argument("--verifier", default=None,
+                   help="with --format speculators (required): the model the serving engine verifies with, a hub id "
+                        "or path, written into config.json")
+    x.add_argument("--no-embed", action="store_true",
+                   help="with --format speculators: leave out the embedding table (engines that share the target's)")
 
 
 def _add_acceptance(sub) -> None:
@@ -342,11 +354,31 @@ def _build_corpus(args) -> None:
 
 
 def _export(args) -> None:
-    """``export``: the newest checkpoint of a run as a head file."""
-    from .train import export_checkpoint
+    """``export``: the newest checkpoint of a run as a head file, or as a ``speculators`` EAGLE-3 checkpoint."""
+    from .train import export_checkpoint, export_speculators
 
     run_dir = Path(args.run_dir) if args.run_dir else _root() / "runs" / args.run
-    print(json.dumps(export_checkpoint(run_dir, args.out, getattr(torch, args.dtype)), indent=1))
+    if args.format == "treespec":
+        extra = [name for name, on in (("--verifier", args.verifier), ("--no-embed", args.no_embed),
+                                       ("--target", args.target != "embedded")) if on]
+        if extra:
+            raise DistillInputError(f"{', '.join(extra)}: only with --format speculators")
+        print(json.dumps(export_checkpoint(run_dir, args.out, getattr(torch, args.dtype or "float16")), indent=1))
+        return
+    if not args.verifier:
+        raise DistillInputError("--format speculators needs --verifier: the model the serving engine verifies with "
+                                "(hub id or path)")
+    print(json.dumps(export_speculators(run_dir, args.out, lambda: _load_target(args.target),
+                                        dtype=getattr(torch, args.dtype or "bfloat16"), verifier=args.verifier,
+                                        embed=not args.no_embed), indent=1))
+
+
+def _load_target(name: str):
+    """The target a command needs, in float32 (one line on stderr while it loads)."""
+    from ..models.loading import load_model
+
+    print(f"loading target {name} ...", file=sys.stderr, flush=True)
+    return load_model(name, dtype="float32")
 
 
 def _corpus_weights(text: str | None) -> list[float] | None:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..drafting.head import EagleHead, HeadConfig, new_head
+from ..drafting.eagle3 import Eagle3Head, new_eagle3_head
+from ..drafting.head import EagleHead, HeadConfig, LayerHead, new_head
 from ..drafting.weights_file import build_checked
 from ..files import atomic_write_json, remove_stale_temporaries
 from ..models.features import normalise_feature_layers
@@ -36,6 +37,7 @@ from .losses import subset_distill_losses, subset_tv_loss
 from .loop import LoopConfig, latest_checkpoint, open_run, run_loop
 
 CKPT_NAME = "ckpt-{step}.pt"  # the newest ``keep_ckpts`` are kept
+HEAD_LAYOUTS = ("eagle", "eagle3")  # TrainConfig.layout: treespec's EAGLE head, EAGLE-3's layout (serving engines)
 
 
 def distill_root() -> Path:
@@ -66,6 +68,9 @@ class TrainConfig:
     depths: int = 1  # tree depths trained (> 1: the training-time test, EAGLE-3 arXiv 2503.01840)
     depth_decay: float = 0.8  # loss weight of depth k: depth_decay ** (k - 1), normalised over the depths
     feature_layers: tuple[int, ...] = ()  # target layers read besides h (fused features, EAGLE-3); the corpus stores them
+    # "eagle": treespec's EAGLE head; "eagle3": EAGLE-3's layout, which vLLM / SGLang / speculators load (its
+    # feature_layers default to the engines' [2, L // 2, L - 3] inputs, treespec's layers (1, 8, 14) on 18 layers)
+    layout: str = "eagle"
     steps_per_shard: int = 50  # consecutive steps drawn from one shard (fewer loads)
     ckpt_every: int = 200
     keep_ckpts: int = 2
@@ -104,9 +109,16 @@ class TrainConfig:
             self.feature_layers = normalise_feature_layers(self.feature_layers)
         except ValueError as err:
             raise DistillInputError(str(err)) from None
+        if self.layout not in HEAD_LAYOUTS:
+            raise DistillInputError(f"layout must be one of {', '.join(HEAD_LAYOUTS)}, got {self.layout!r}")
         if self.soft not in ("subset", "topk") or self.amp not in ("auto", "bf16", "off"):
             raise DistillInputError(f"soft must be subset / topk and amp auto / bf16 / off, got {self.soft!r}, "
                                     f"{self.amp!r}")
+
+
+def head_class(layout: str) -> type[LayerHead]:
+    """The head class of a layout (:data:`HEAD_LAYOUTS`)."""
+    return Eagle3Head if layout == "eagle3" else EagleHead
 
 
 def autocast_for(device: torch.device, amp: str):
@@ -356,8 +368,11 @@ def _head_from_checkpoint(state: dict, path: Path) -> EagleHead:
         if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()) \
                 or not isinstance(vocab_ids, torch.Tensor) or not isinstance(state.get("head_config"), dict):
             raise TypeError("expected 'head' tensors, 'vocab_ids' and a 'head_config' dict")
+        layout = state.get("head_layout", "eagle")
+        if layout not in HEAD_LAYOUTS:
+            raise ValueError(f"head_layout {layout!r} is none of {', '.join(HEAD_LAYOUTS)}")
         head = build_checked(path, "head", HeadConfig, state["head_config"], weights,
-                             lambda cfg: EagleHead(cfg, vocab_ids))
+                             lambda cfg: head_class(layout)(cfg, vocab_ids))
         head.load_state_dict(weights)
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise DistillInputError(f"checkpoint {path}: not a head training checkpoint ({type(err).__name__}: "
@@ -385,6 +400,10 @@ def _resumed_config(state: dict, ckpt_path: Path, cfg: TrainConfig, log) -> Trai
     if pinned != cfg.max_shards:  # the data a run trains on is part of its identity
         raise DistillInputError(f"{ckpt_path}: the run trained on max_shards={pinned}, this call asks for "
                                 f"max_shards={cfg.max_shards}; give the same value or start a new run")
+    layout = state.get("head_layout", "eagle")
+    if layout != cfg.layout:
+        raise DistillInputError(f"{ckpt_path}: the run trains a head of layout {layout}; give --layout {layout} "
+                                "or start a new run")
     if "logits_amp" not in state.get("train_config", {}) and cfg.logits_amp:
         cfg = replace(cfg, logits_amp=False)  # a run from before the option keeps its float32 subset products
         log(f"{ckpt_path}: a run from before logits_amp; it continues with its float32 subset products")
@@ -400,12 +419,18 @@ def _starting_head(target, corpus_dir, cfg: TrainConfig, state: dict | None, ckp
         log(f"resuming from {ckpt_path} (step {state['step']})")
         return head
     if init_head is not None:
-        return read_head_file(init_head, EagleHead.load, target)
+        return read_head_file(init_head, head_class(cfg.layout).load, target)
     from ..models.loading import eos_token_ids
 
     ids = choose_vocab(corpus_dir, cfg.vocab_size, sorted(eos_token_ids(target)), vocab_counts, cfg.max_shards)
-    return new_head(target, ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                    intermediate_size=cfg.intermediate_size, feature_layers=cfg.feature_layers, seed=cfg.seed)
+    sizes = {"num_heads": cfg.num_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
+             "seed": cfg.seed}
+    if cfg.layout == "eagle3":
+        try:
+            return new_eagle3_head(target, ids, feature_layers=cfg.feature_layers or None, **sizes)
+        except ValueError as err:
+            raise DistillInputError(f"layout eagle3: {err}") from None
+    return new_head(target, ids, feature_layers=cfg.feature_layers, **sizes)
 
 
 def _feature_layers_config(cfg: TrainConfig, head: EagleHead, resumed: bool) -> TrainConfig:
@@ -501,6 +526,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
 
     def extra() -> dict:
         return {"vocab_ids": head.vocab_ids.cpu(), "head_config": asdict(head.cfg), "train_config": asdict(cfg),
+                "head_layout": "eagle3" if isinstance(head, Eagle3Head) else "eagle",
                 "corpus": [str(d) for d in dirs]}
 
     step = run_loop(loop, head, opt, step_fn, run_dir=run_dir, name=CKPT_NAME, keys=("head", "optimizer"),
@@ -524,3 +550,30 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype =
                "vocab_subset": int(head.vocab_ids.numel())}
     head.save(out, dtype=dtype, extra={"summary": summary})
     return {"out": str(out), "bytes": Path(out).stat().st_size, **summary}
+
+
+def export_speculators(run_dir: str | Path, out: str | Path, load_target, *, dtype: torch.dtype = torch.bfloat16,
+                       verifier: str, embed: bool = True) -> dict:
+    """Write the newest checkpoint of an EAGLE-3 run (``layout="eagle3"``) as a ``speculators`` checkpoint folder
+    (:func:`~treespec.drafting.eagle3_export.save_speculators`); ``load_target()`` gives the target the run
+    trained on (its LM-head rows and embedding table go into the folder). Returns what was written."""
+    from ..drafting.eagle3_export import save_speculators
+
+    ckpt = latest_checkpoint(require_dir(run_dir, "run directory"), CKPT_NAME)
+    if ckpt is None:
+        raise DistillInputError(f"run directory {run_dir}: no checkpoint (ckpt-N.pt) to export")
+    state = load_checkpoint(ckpt)
+    head = _head_from_checkpoint(state, ckpt)
+    if not isinstance(head, Eagle3Head):
+        raise DistillInputError(f"{ckpt}: --format speculators writes EAGLE-3 heads; this run trains layout "
+                                f"{state.get('head_layout', 'eagle')} (train with --layout eagle3)")
+    target = load_target()
+    try:
+        head.attach(target)
+        written = save_speculators(head, out, dtype=dtype, embed=embed, verifier=verifier,
+                                   verifier_architectures=list(getattr(target.config, "architectures", None) or []),
+                                   max_position_embeddings=int(getattr(target.config.get_text_config(),
+                                                                       "max_position_embeddings", 32768)))
+    except (ValueError, FileExistsError) as err:
+        raise DistillInputError(str(err)) from None
+    return {**written, "checkpoint": str(ckpt), "step": state["step"]}

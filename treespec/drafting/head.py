@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -132,30 +133,19 @@ class HeadLayer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-class EagleHead(SubsetHead):
-    """The trained part of the head plus (after :meth:`attach`) frozen references to the target."""
+class LayerHead(SubsetHead):
+    """What every one-layer head that drafts through :class:`~treespec.drafting.head_runner.HeadRunner`
+    shares: the target coupling (input embedding, feature layers), the features it reads, the unrolled
+    training / reference pass and its runner. Subclasses build the layer and say how inputs are formed:
+    :meth:`target_input`, :meth:`inputs`, ``layer`` (``qkv_heads`` / ``finish``), ``out_norm`` and
+    ``hidden_norm`` (a module on the head's device and dtype), and ``FEEDS_PRE_NORM``: whether a child
+    reads its parent's output before the final norm (EAGLE-3's layout) or after it (the EAGLE head)."""
 
-    FORMAT = "treespec-eagle-head"
-    FILE_WHAT = "EAGLE head"
-    CONFIG = HeadConfig
+    FEEDS_PRE_NORM: ClassVar[bool] = False
 
     def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor) -> None:
         super().__init__(cfg, vocab_ids)
-        h = cfg.hidden_size
-        self.hidden_norm = RMSNorm(h, cfg.rms_eps)
-        self.embed_norm = RMSNorm(h, cfg.rms_eps)
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layer = HeadLayer(cfg)
-        self.out_norm = RMSNorm(h, cfg.rms_eps)
         self.feature_layers = cfg.feature_layers
-        if cfg.feature_layers:  # fused features: per-slice norm gains and the projection to H
-            slices = len(cfg.feature_layers) + 1
-            self.fuse_norm = nn.Parameter(torch.ones(slices, h))
-            rng = torch.random.get_rng_state()  # no draw from the global RNG: the other layers
-            self.fuse = nn.Linear(slices * h, h, bias=False)  # initialise as in an unfused head
-            torch.random.set_rng_state(rng)
-            with torch.no_grad():  # start as the projection onto the last hidden state
-                self.fuse.weight.zero_()[:, -h:].copy_(torch.eye(h, device=self.fuse.weight.device))
         self._embed: nn.Module | None = None  # the target's input embedding (frozen, not owned)
 
     # ------------------------------------------------------------------ target coupling
@@ -173,6 +163,7 @@ class EagleHead(SubsetHead):
         object.__setattr__(self, "_embed", emb)  # not a submodule: never trained, never saved
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's input embedding of ``tokens`` (as its module computes it), float32."""
         if self._embed is None:
             raise RuntimeError("attach the head to its target first")
         with torch.no_grad():
@@ -180,13 +171,12 @@ class EagleHead(SubsetHead):
 
     def target_input(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features ``[..., feature_width]`` -> what the head reads in place of a parent
-        feature ``[..., H]``: the last hidden state itself, or the fusion of the slices."""
-        features = self.own_features(features)
-        if not self.cfg.feature_layers:
-            return features
-        x = features.float().unflatten(-1, (-1, self.cfg.hidden_size))  # [..., slices, H]
-        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.fuse_norm.dtype)
-        return self.fuse((x * self.fuse_norm).flatten(-2))
+        feature ``[..., H]``."""
+        raise NotImplementedError
+
+    def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The layer's input from a hidden state ``[..., H]`` and the entries' tokens."""
+        raise NotImplementedError
 
     def own_features(self, features: torch.Tensor) -> torch.Tensor:
         """The part of the target features ``[..., W]`` this head reads: all of them (``W`` =
@@ -204,12 +194,6 @@ class EagleHead(SubsetHead):
         """The target's last hidden state ``[..., H]`` inside its features ``[..., feature_width]``."""
         return features[..., -self.cfg.hidden_size:]
 
-    def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """fc(norm(h) ++ norm(emb(x))): ``[..., H]``."""
-        dtype = self.hidden_norm.weight.dtype  # the head's dtype (its linear layers may be packed)
-        e = self.embed(tokens).to(dtype)
-        return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
-
     # ------------------------------------------------------------------ training forward
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Teacher-forced parallel pass (depth 1 of :meth:`unroll`): ``hidden`` ``[B, T, F]`` (the target's
@@ -224,12 +208,13 @@ class EagleHead(SubsetHead):
 
         What :class:`~treespec.drafting.head_runner.HeadRunner` computes inside a tree whose path
         follows the sequence: the depth-``k`` entry at index ``j`` belongs to the tree rooted ``k - 1``
-        tokens earlier; it reads its parent's feature (depth ``k - 1`` at ``j - 1``) instead of the
-        target's hidden state and attends to the depth-1 (true-input) entries ``i <= j - k + 1`` plus
-        its ancestors, the depth-``m`` entries at ``j - k + m`` (``m = 2..k``). Depth 1 is
-        :meth:`forward`. Training on depths > 1 is the training-time test of EAGLE-3 (Li et al.,
-        "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time
-        Test", arXiv 2503.01840): the head learns from the inputs it will see when drafting deep levels.
+        tokens earlier; it reads its parent's output (depth ``k - 1`` at ``j - 1``; before the final
+        norm where ``FEEDS_PRE_NORM``) instead of the target's features and attends to the depth-1
+        (true-input) entries ``i <= j - k + 1`` plus its ancestors, the depth-``m`` entries at
+        ``j - k + m`` (``m = 2..k``). Depth 1 is :meth:`forward`. Training on depths > 1 is the
+        training-time test of EAGLE-3 (Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large
+        Language Models via Training-Time Test", arXiv 2503.01840): the head learns from the inputs it
+        will see when drafting deep levels.
 
         Parameters
         ----------
@@ -245,21 +230,22 @@ class EagleHead(SubsetHead):
         Returns
         -------
         list of torch.Tensor
-            ``depths`` tensors ``[B, T, H]``; at depth ``k`` the first ``k - 1`` entries of every row
-            have no root inside the window (their values are meaningless; leave them out of any use).
+            ``depths`` tensors ``[B, T, H]``, the features the logits read (after the final norm); at
+            depth ``k`` the first ``k - 1`` entries of every row have no root inside the window (their
+            values are meaningless; leave them out of any use).
         """
         if depths < 1:
             raise ValueError("depths must be >= 1")
         t, device = tokens.shape[1], tokens.device
         j = torch.arange(t, device=device)[:, None]  # query entry
         i = torch.arange(t, device=device)[None, :]  # key entry
-        keys, values, outs = [], [], []
+        keys, values, outs, carried = [], [], [], None
         for k in range(1, depths + 1):
             if k == 1:
                 inp = self.target_input(hidden)
-            else:  # the parent's feature: depth k - 1 at j - 1 (zeros where no parent exists)
-                inp = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
-            x = self.inputs(inp, tokens)  # [B, T, H]
+            else:  # the parent's output: depth k - 1 at j - 1 (zeros where no parent exists)
+                inp = torch.cat([torch.zeros_like(carried[:, :1]), carried[:, :-1]], dim=1)
+            x = self.inputs(inp, tokens)  # [B, T, layer input]
             q, kk, v = self.layer.qkv_heads(x, positions)
             keys.append(kk)
             values.append(v)
@@ -268,7 +254,9 @@ class EagleHead(SubsetHead):
             mask[:, 0] |= ~mask.any(dim=1)  # entries without a root attend somewhere (their output is unused)
             att = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
                                                  attn_mask=mask[None, None])
-            outs.append(self.out_norm(self.layer.finish(x, att)))
+            pre = self.layer.finish(x, att)  # [B, T, H]
+            outs.append(self.out_norm(pre))
+            carried = pre if self.FEEDS_PRE_NORM else outs[-1]
         return outs
 
     # ------------------------------------------------------------------ drafting
@@ -280,6 +268,47 @@ class EagleHead(SubsetHead):
     def depth_logits(self, target, ids: torch.Tensor, depths: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Per-depth logits along a sequence (:func:`~treespec.drafting.head_runner.head_depth_logits`)."""
         return head_depth_logits(self, target, ids, depths)
+
+
+class EagleHead(LayerHead):
+    """The trained part of the head plus (after :meth:`attach`) frozen references to the target."""
+
+    FORMAT = "treespec-eagle-head"
+    FILE_WHAT = "EAGLE head"
+    CONFIG = HeadConfig
+
+    def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor) -> None:
+        super().__init__(cfg, vocab_ids)
+        h = cfg.hidden_size
+        self.hidden_norm = RMSNorm(h, cfg.rms_eps)
+        self.embed_norm = RMSNorm(h, cfg.rms_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = HeadLayer(cfg)
+        self.out_norm = RMSNorm(h, cfg.rms_eps)
+        if cfg.feature_layers:  # fused features: per-slice norm gains and the projection to H
+            slices = len(cfg.feature_layers) + 1
+            self.fuse_norm = nn.Parameter(torch.ones(slices, h))
+            rng = torch.random.get_rng_state()  # no draw from the global RNG: the other layers
+            self.fuse = nn.Linear(slices * h, h, bias=False)  # initialise as in an unfused head
+            torch.random.set_rng_state(rng)
+            with torch.no_grad():  # start as the projection onto the last hidden state
+                self.fuse.weight.zero_()[:, -h:].copy_(torch.eye(h, device=self.fuse.weight.device))
+
+    def target_input(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features ``[..., feature_width]`` -> what the head reads in place of a parent
+        feature ``[..., H]``: the last hidden state itself, or the fusion of the slices."""
+        features = self.own_features(features)
+        if not self.cfg.feature_layers:
+            return features
+        x = features.float().unflatten(-1, (-1, self.cfg.hidden_size))  # [..., slices, H]
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.fuse_norm.dtype)
+        return self.fuse((x * self.fuse_norm).flatten(-2))
+
+    def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """fc(norm(h) ++ norm(emb(x))): ``[..., H]``."""
+        dtype = self.hidden_norm.weight.dtype  # the head's dtype (its linear layers may be packed)
+        e = self.embed(tokens).to(dtype)
+        return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
 
 
 def new_head(target, vocab_ids: torch.Tensor, *, num_heads: int = 8, head_dim: int | None = None,

@@ -14,7 +14,8 @@ hidden state, :mod:`treespec.models.features`).
 * committed tokens (the chain) and the root of each tree use the target's true hidden states,
   handed to the runner at the start of every proposal (:meth:`HeadRunner.observe`);
 * a drafted node at depth >= 1 uses the output feature of its parent's entry in place of the
-  target's hidden state (the target has not seen the node yet).
+  target's hidden state (the target has not seen the node yet): after the head's final norm, or
+  before it for a head in EAGLE-3's layout (``FEEDS_PRE_NORM``).
 
 Only entries built from true hidden states are kept: :meth:`commit` keeps the root's entry and
 drops the drafted path, which comes back at the next proposal as a chain with the target's
@@ -77,6 +78,7 @@ class DraftHead(Protocol):
     interface and not on its module (``head`` imports this one to make its runner)."""
 
     vocab_ids: torch.Tensor  # [|S|] the head's vocabulary subset
+    FEEDS_PRE_NORM: bool  # a child reads its parent's output before the final norm (else after it)
 
     @property
     def cfg(self) -> DraftHeadShape: ...
@@ -249,7 +251,8 @@ class HeadRunner(HoldsCacheBook):
             mask = self._mask(tree, nodes, node_list, total)
             att = F.scaled_dot_product_attention(q[:, :, m_entries:].float(), self._kv[0:1, :, :total],
                                                  self._kv[1:2, :, :total], attn_mask=mask)  # [1, heads, n, hd]
-            node_out = head.out_norm(head.layer.finish(x[:, m_entries:], att.to(x.dtype)))[0]  # [n, H]
+            pre = head.layer.finish(x[:, m_entries:], att.to(x.dtype))[0]  # [n, H] before the final norm
+            node_out = head.out_norm(pre)  # [n, H] what the logits read
         self.entries += m_entries
         book.finish(base, m, node_list if n else [])  # the chain is committed, the nodes join the slots
         result: dict[str, torch.Tensor] = {}
@@ -259,7 +262,7 @@ class HeadRunner(HoldsCacheBook):
                                                  self._features.shape[1])
                 grown[: self._features.shape[0]] = self._features
                 self._features = grown
-            self._features[nodes.to(device)] = node_out.float()
+            self._features[nodes.to(device)] = (pre if head.FEEDS_PRE_NORM else node_out).float()  # children read it
             self._fed.update(node_list)
             self._slot_nodes = torch.cat([self._slot_nodes.to(nodes.device), nodes])  # the same nodes, a tensor
             if need_logits == "subset":

@@ -1,0 +1,45 @@
+"""One reader for every head file a user hands treespec: an EAGLE head, an EAGLE-3 head (both treespec
+``.safetensors`` files, told apart by their format tag), or a ``speculators`` EAGLE-3 checkpoint folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .eagle3 import Eagle3Head
+from .head import EagleHead, LayerHead
+
+
+def load_head(path: str | Path, target, *, dtype: torch.dtype = torch.float32) -> LayerHead:
+    """The head at ``path``, attached to ``target``: a folder is read as a ``speculators`` EAGLE-3 checkpoint
+    (:func:`~treespec.drafting.eagle3_export.load_speculators`), a file by its format tag. A file of neither
+    format is refused in one line (``ValueError``)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        from .eagle3_export import load_speculators
+
+        return load_speculators(path, target, dtype=dtype)
+    fmt = None
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                fmt = (fh.metadata() or {}).get("format")
+        except Exception:  # not a safetensors file: the EAGLE head's reader says so
+            fmt = None
+    cls = Eagle3Head if fmt == Eagle3Head.FORMAT else EagleHead
+    return cls.load(path, target, dtype=dtype)
+
+
+def is_speculators_checkpoint(name: str | Path) -> bool:
+    """Whether ``name`` is a folder whose ``config.json`` names a ``speculators`` model (``--draft`` reads it as a
+    head; :func:`load_head` refuses the model types it cannot compute)."""
+    import json
+
+    config = Path(name) / "config.json"
+    try:
+        return config.is_file() and "speculators_model_type" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return False
