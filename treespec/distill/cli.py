@@ -486,12 +486,12 @@ def _evaluate(args) -> None:
     """``evaluate``: agreement and acceptance along the target's own text, tau and step cost in the engine
     (:mod:`treespec.analysis.acceptance`)."""
     from ..analysis.acceptance import chain_tau, step_cost, target_generations
-    from ..drafting.head import EagleHead
+    from ..drafting.head_files import head_class_of
     from ..models.loading import load_model, load_tokenizer
     from .evaluate import depth_metrics
 
     path = args.head or str(_root() / "runs" / args.run / "head.safetensors")
-    head = read_head_file(path, EagleHead.load)  # bad files are reported before the target is loaded
+    head = read_head_file(path, head_class_of(path).load)  # bad files are reported before the target is loaded
     rows = _evaluation_rows(args)
     groups = [str(r.get("subtask") or r.get("category") or "all") for r in rows]  # Spec-Bench / train label
     model = load_model(args.target, dtype=args.dtype)

@@ -67,7 +67,7 @@ class TrainConfig:
     feature_noise: float = 0.0  # uniform noise on input features (EAGLE), relative to their RMS
     depths: int = 1  # tree depths trained (> 1: the training-time test, EAGLE-3 arXiv 2503.01840)
     depth_decay: float = 0.8  # loss weight of depth k: depth_decay ** (k - 1), normalised over the depths
-    feature_layers: tuple[int, ...] = ()  # target layers read besides h (fused features, EAGLE-3); the corpus stores them
+    feature_layers: tuple[int, ...] = ()  # target layers read besides h (fused features, EAGLE-3; the corpus stores them)
     # "eagle": treespec's EAGLE head; "eagle3": EAGLE-3's layout, which vLLM / SGLang / speculators load (its
     # feature_layers default to the engines' [2, L // 2, L - 3] inputs, treespec's layers (1, 8, 14) on 18 layers)
     layout: str = "eagle"

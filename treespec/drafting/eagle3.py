@@ -35,7 +35,8 @@ from .head import HeadConfig, LayerHead, RMSNorm, _rope
 
 
 def aux_layer_ids(feature_layers: tuple[int, ...]) -> list[int]:
-    """EAGLE-3's ``eagle_aux_hidden_state_layer_ids`` (a layer's input) of treespec feature layers (a layer's output)."""
+    """EAGLE-3's ``eagle_aux_hidden_state_layer_ids`` (each the input of a layer) of treespec feature layers
+    (each the output of a layer)."""
     return [int(i) + 1 for i in feature_layers]
 
 

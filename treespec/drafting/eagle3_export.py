@@ -45,7 +45,8 @@ FILES = ("config.json", "model.safetensors")
 _LAYER_KEYS = ("fc.weight", "norm.weight")
 
 
-def speculators_config(head: Eagle3Head, *, verifier: str | None = None, verifier_architectures: list[str] | None = None,
+def speculators_config(head: Eagle3Head, *, verifier: str | None = None,
+                       verifier_architectures: list[str] | None = None,
                        speculative_tokens: int = 3, max_position_embeddings: int = 32768,
                        dtype: torch.dtype = torch.bfloat16) -> dict:
     """The ``config.json`` of ``head`` in the ``speculators`` layout (a JSON-ready dict)."""
@@ -143,9 +144,9 @@ def _require(cond: bool, where: Path, msg: str) -> None:
 
 def read_speculators(path: str | Path
                      ) -> tuple[HeadConfig, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(config, trained tensors, vocab_ids, lm_head rows, embedding table or None)`` of a ``speculators`` EAGLE-3 checkpoint folder
-    that :class:`~treespec.drafting.eagle3.Eagle3Head` can compute: one Llama layer, no grouped-query
-    attention, none of the optional norms (``norm_before_fc``, ``fc_norm``, ``norm_output``,
+    """``(config, trained tensors, vocab_ids, lm_head rows, embedding table or None)`` of a ``speculators``
+    EAGLE-3 checkpoint folder that :class:`~treespec.drafting.eagle3.Eagle3Head` can compute: one Llama layer,
+    no grouped-query attention, none of the optional norms (``norm_before_fc``, ``fc_norm``, ``norm_output``,
     ``norm_before_residual``). Anything else is refused in one line naming it."""
     from safetensors import safe_open
 
@@ -165,10 +166,11 @@ def read_speculators(path: str | Path
              "transformer_layer_config must describe one decoder layer")
     heads, kv = layer.get("num_attention_heads"), layer.get("num_key_value_heads", layer.get("num_attention_heads"))
     _require(heads == kv, path, f"grouped-query attention ({heads} query, {kv} key/value heads) is not supported")
-    _require(layer.get("hidden_act", "silu") == "silu" and not layer.get("attention_bias") and not layer.get("mlp_bias"),
-             path, "only a bias-free SwiGLU (silu) layer is supported")
+    plain = layer.get("hidden_act", "silu") == "silu" and not layer.get("attention_bias") and not layer.get("mlp_bias")
+    _require(plain, path, "only a bias-free SwiGLU (silu) layer is supported")
     rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer.get("rope_theta", 10000.0)}
-    _require(rope.get("rope_type", "default") == "default", path, f"rope_type {rope.get('rope_type')!r} is not supported")
+    _require(rope.get("rope_type", "default") == "default", path,
+             f"rope_type {rope.get('rope_type')!r} is not supported")
     ids = conf.get("eagle_aux_hidden_state_layer_ids")
     _require(isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 1 for i in ids), path,
              f"eagle_aux_hidden_state_layer_ids must name target layers >= 1, got {ids!r}")

@@ -15,22 +15,25 @@ def load_head(path: str | Path, target, *, dtype: torch.dtype = torch.float32) -
     """The head at ``path``, attached to ``target``: a folder is read as a ``speculators`` EAGLE-3 checkpoint
     (:func:`~treespec.drafting.eagle3_export.load_speculators`), a file by its format tag. A file of neither
     format is refused in one line (``ValueError``)."""
-    from safetensors import safe_open
-
     path = Path(path)
     if path.is_dir():
         from .eagle3_export import load_speculators
 
         return load_speculators(path, target, dtype=dtype)
-    fmt = None
-    if path.is_file():
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                fmt = (fh.metadata() or {}).get("format")
-        except Exception:  # not a safetensors file: the EAGLE head's reader says so
-            fmt = None
-    cls = Eagle3Head if fmt == Eagle3Head.FORMAT else EagleHead
-    return cls.load(path, target, dtype=dtype)
+    return head_class_of(path).load(path, target, dtype=dtype)
+
+
+def head_class_of(path: str | Path) -> type[LayerHead]:
+    """The class of the head file at ``path`` by its format tag: :class:`~treespec.drafting.eagle3.Eagle3Head` for
+    an EAGLE-3 head, else :class:`~treespec.drafting.head.EagleHead` (whose reader refuses what is neither)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            fmt = (fh.metadata() or {}).get("format")
+    except Exception:  # missing or not a safetensors file: the EAGLE head's reader says which, in one line
+        fmt = None
+    return Eagle3Head if fmt == Eagle3Head.FORMAT else EagleHead
 
 
 def is_speculators_checkpoint(name: str | Path) -> bool:
