@@ -41,7 +41,7 @@ def export(out: Path, head_file: str | None, depths: int, seed: int, twin: bool 
     from safetensors.torch import save_file
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.common import machine_info
+    from benchmarks.common import git_state, machine_info
     from treespec.drafting.eagle3 import Eagle3Head, new_eagle3_head
     from treespec.drafting.eagle3_export import save_speculators
     from treespec.models.features import model_features
@@ -81,7 +81,7 @@ def export(out: Path, head_file: str | None, depths: int, seed: int, twin: bool 
     record = {"step": "export", "weights": weights,
               "twin": "input_layernorm and hidden_norm swapped" if twin else None, "depths": depths,
               "sequence_length": int(ids.shape[1]),
-              "export": written, "machine": machine_info()}
+              "export": written, "machine": machine_info(), "git": git_state(), "command": sys.argv}
     (out / "export.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     return record
 
@@ -140,7 +140,7 @@ def compare(out: Path) -> dict:
     record = {"step": "compare", "speculators": version("speculators"), "transformers": transformers.__version__,
               "torch": torch.__version__, "attention": "eager", "depths": rows,
               "equal_within_1e-6": all(r["max_abs_diff"] <= 1e-6 for r in rows),
-              "export": json.loads((out / "export.json").read_text())}
+              "export": json.loads((out / "export.json").read_text()), "command": sys.argv}
     (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
