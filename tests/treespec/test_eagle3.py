@@ -329,3 +329,14 @@ def test_runs_of_another_layout_and_bad_exports_are_refused(target, eagle3_run, 
             distill_main(["export", "--run-dir", str(run), *argv])
         assert stop.value.code == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.safetensors").exists()
+
+
+def test_the_export_is_readable_as_other_files_are(target, tmp_path):
+    import os
+    import stat
+
+    save_speculators(_perturbed_head(target), tmp_path / "ckpt", verifier="v", dtype=torch.float32)
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((tmp_path / "ckpt" / name).stat().st_mode) == 0o666 & ~mask, name

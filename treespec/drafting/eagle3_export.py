@@ -125,6 +125,10 @@ def save_speculators(head: Eagle3Head, out_dir: str | Path, *, dtype: torch.dtyp
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        mask = os.umask(0)
+        os.umask(mask)
+        for name in FILES:  # readable as open(..., "w") makes files (the weights writer makes them private)
+            os.chmod(tmp / name, 0o666 & ~mask)
         old = out.with_name(f".{out.name}.old{os.getpid()}")
         if out.exists():
             os.replace(out, old)
