@@ -319,7 +319,9 @@ def _check_args(args: argparse.Namespace) -> None:
         return
     path = draft.removeprefix("lookup+")
     if path.endswith(".safetensors") or draft.startswith("lookup+"):
-        if not os.path.isfile(path):
+        from .drafting.head_files import is_speculators_checkpoint
+
+        if not (os.path.isfile(path) or is_speculators_checkpoint(path)):
             raise CliInputError(f"--draft {draft}: no head file {path!r}")
         return
     if os.path.exists(path):

@@ -243,6 +243,8 @@ def _edit(folder, config=None, tensors=None):
     (dict(config=lambda c: c["transformer_layer_config"].update(num_key_value_heads=2)), "grouped-query"),
     (dict(config=lambda c: c.update(speculators_model_type="mtp")), "not a speculators EAGLE-3"),
     (dict(config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2])), "layers >= 1"),
+    (dict(config=lambda c: c["transformer_layer_config"].update(rope_scaling={"rope_type": "llama3"})),
+     "rope_scaling"),
     (dict(tensors=lambda t: t["t2d"].__setitem__(3, True)), "t2d and d2t name different"),
     (dict(tensors=lambda t: t["lm_head.weight"].mul_(2)), "lm_head.weight is not this target's own"),
     (dict(tensors=lambda t: t["embed_tokens.weight"].add_(0.5)), "embed_tokens.weight is not this target's own"),
@@ -340,3 +342,46 @@ def test_the_export_is_readable_as_other_files_are(target, tmp_path):
     os.umask(mask)
     for name in ("config.json", "model.safetensors"):
         assert stat.S_IMODE((tmp_path / "ckpt" / name).stat().st_mode) == 0o666 & ~mask, name
+
+
+def test_a_killed_export_is_recovered_and_other_model_folders_are_kept(target, tmp_path):
+    import shutil
+    import subprocess
+
+    head = _perturbed_head(target)
+    save_speculators(head, tmp_path / "ckpt", verifier="first", dtype=torch.float32)
+    # a writer killed between its two moves: the old export aside, a half-built one beside it, no ckpt
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    shutil.move(tmp_path / "ckpt", tmp_path / f".ckpt.old{dead.pid}-x")
+    (tmp_path / f".ckpt.tmp{dead.pid}-y").mkdir()
+    save_speculators(head, tmp_path / "other", verifier="v")  # another destination leaves them alone
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        _edit_and_save(head, tmp_path)  # the next writer of ckpt first puts the old export back ...
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["speculators_config"]["verifier"][
+        "name_or_path"] == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "other"]  # ... and removes the half-built one
+    # a folder holding the same two file names that is not an EAGLE-3 checkpoint is never replaced
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(FileExistsError, match="not an EAGLE-3 checkpoint folder"):
+        save_speculators(head, tmp_path / "hf", verifier="v")
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == b"weights"
+
+
+def _edit_and_save(head, tmp_path):
+    """A writer of ``ckpt`` that fails after the recovery (bad speculative_tokens): recovery happened first."""
+    save_speculators(head, tmp_path / "ckpt", verifier="v", speculative_tokens=0)
+
+
+def test_the_command_line_takes_lookup_with_a_checkpoint_folder(target, tmp_path):
+    from treespec.cli import CliInputError, _check_args, build_parser
+
+    save_speculators(_perturbed_head(target), tmp_path / "ckpt", verifier="v", dtype=torch.float32)
+    (tmp_path / "empty").mkdir()
+    parse = build_parser().parse_args
+    _check_args(parse(["generate", "hello", "--draft", f"lookup+{tmp_path / 'ckpt'}"]))  # accepted: a head folder
+    with pytest.raises(CliInputError, match="no head file"):
+        _check_args(parse(["generate", "hello", "--draft", f"lookup+{tmp_path / 'empty'}"]))

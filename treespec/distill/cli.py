@@ -400,9 +400,9 @@ def _medusa(args) -> None:
     weights = _corpus_weights(args.corpus_weights)
     vocab = None
     if args.vocab_from:
-        from ..drafting.head import EagleHead
+        from ..drafting.head_files import head_class_of
 
-        vocab = read_head_file(args.vocab_from, EagleHead.load).vocab_ids
+        vocab = read_head_file(args.vocab_from, head_class_of(args.vocab_from).load).vocab_ids
     cfg, model, run_dir, corpora = _training_setup(args, MedusaTrainConfig, load_model)
     heads, summary = train_medusa(model, corpora, run_dir, cfg, corpus_weights=weights, vocab_ids=vocab,
                                   progress=not args.no_progress)

@@ -105,13 +105,19 @@ def save_speculators(head: Eagle3Head, out_dir: str | Path, *, dtype: torch.dtyp
                      speculative_tokens: int = 3, max_position_embeddings: int = 32768) -> dict:
     """Write ``head`` as a ``speculators`` EAGLE-3 checkpoint folder; returns what was written.
 
-    The folder is built beside ``out_dir`` and moved into place whole: ``out_dir`` holds the old export
-    or the new one, never a mix. An existing ``out_dir`` is replaced only when it holds nothing but a
-    checkpoint's two files."""
+    The folder is built beside ``out_dir`` (``.NAME.tmpPID-*``) and moved into place whole: ``out_dir`` holds
+    the old export or the new one, never a mix. The old one is moved aside (``.NAME.oldPID-*``) for the moment
+    of the swap and put back if the swap fails; folders that a killed writer left behind are removed, or, where
+    ``out_dir`` itself is missing, the old export is put back, before anything is written. An existing
+    ``out_dir`` is replaced only when it is an EAGLE-3 checkpoint folder (its two files, ``config.json`` naming
+    ``eagle3``)."""
+    import tempfile
+
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or out.is_symlink() or set(os.listdir(out)) - set(FILES)):
+    _recover(out)
+    if out.exists() and not _is_export(out):
         raise FileExistsError(f"{out} exists and is not an EAGLE-3 checkpoint folder ({' + '.join(FILES)}); "
                               "give a new folder")
     config = speculators_config(head, verifier=verifier, verifier_architectures=verifier_architectures,
@@ -119,9 +125,8 @@ def save_speculators(head: Eagle3Head, out_dir: str | Path, *, dtype: torch.dtyp
                                 max_position_embeddings=max_position_embeddings, dtype=dtype)
     tensors = speculators_tensors(head, dtype, embed=embed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp{os.getpid()}-"))
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old{os.getpid()}-"))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -129,16 +134,52 @@ def save_speculators(head: Eagle3Head, out_dir: str | Path, *, dtype: torch.dtyp
         os.umask(mask)
         for name in FILES:  # readable as open(..., "w") makes files (the weights writer makes them private)
             os.chmod(tmp / name, 0o666 & ~mask)
-        old = out.with_name(f".{out.name}.old{os.getpid()}")
         if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)  # onto the empty folder made above
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old.exists() and not out.exists():
+                os.replace(old, out)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return {"out": str(out), "bytes": sum((out / f).stat().st_size for f in FILES),
             "draft_vocab_size": config["draft_vocab_size"],
             "eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]}
+
+
+def _is_export(folder: Path) -> bool:
+    """Whether ``folder`` is an EAGLE-3 checkpoint folder (nothing but its two files; config.json names eagle3)."""
+    if not folder.is_dir() or folder.is_symlink() or set(os.listdir(folder)) - set(FILES):
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        return config.get("speculators_model_type") == "eagle3"
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
+def _recover(out: Path) -> None:
+    """Clean up after a writer of ``out`` that was killed: its half-built folders go; where ``out`` is missing
+    and the old export it had moved aside is still there, that export is put back."""
+    from ..files import pid_alive
+
+    if not out.parent.is_dir():
+        return
+    for entry in sorted(out.parent.iterdir()):
+        for kind in ("tmp", "old"):
+            prefix = f".{out.name}.{kind}"
+            if not entry.name.startswith(prefix) or not entry.is_dir() or entry.is_symlink():
+                continue
+            pid = entry.name[len(prefix):].partition("-")[0]
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            if kind == "old" and not out.exists() and _is_export(entry):
+                os.replace(entry, out)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def _require(cond: bool, where: Path, msg: str) -> None:
@@ -172,6 +213,9 @@ def read_speculators(path: str | Path
     _require(heads == kv, path, f"grouped-query attention ({heads} query, {kv} key/value heads) is not supported")
     plain = layer.get("hidden_act", "silu") == "silu" and not layer.get("attention_bias") and not layer.get("mlp_bias")
     _require(plain, path, "only a bias-free SwiGLU (silu) layer is supported")
+    scaling = layer.get("rope_scaling") or {}
+    _require(scaling.get("rope_type", scaling.get("type", "default")) == "default", path,
+             f"rope_scaling {scaling!r} is not supported")
     rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer.get("rope_theta", 10000.0)}
     _require(rope.get("rope_type", "default") == "default", path,
              f"rope_type {rope.get('rope_type')!r} is not supported")
