@@ -246,6 +246,9 @@ def _edit(folder, config=None, tensors=None):
     (dict(config=lambda c: c["transformer_layer_config"].update(rope_scaling={"rope_type": "llama3"})),
      "rope_scaling"),
     (dict(tensors=lambda t: t["t2d"].__setitem__(3, True)), "t2d and d2t name different"),
+    (dict(config=lambda c: c.update(draft_vocab_size=50)), "draft_vocab_size 50 does not match"),
+    (dict(config=lambda c: c["transformer_layer_config"].update(model_type="qwen3")), "only llama"),
+    (dict(config=lambda c: c["transformer_layer_config"].update(rope_parameters="x")), "must be JSON objects"),
     (dict(tensors=lambda t: t["lm_head.weight"].mul_(2)), "lm_head.weight is not this target's own"),
     (dict(tensors=lambda t: t["embed_tokens.weight"].add_(0.5)), "embed_tokens.weight is not this target's own"),
     (dict(tensors=lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, :64].contiguous())), "do not match"),
@@ -264,6 +267,10 @@ def test_a_folder_without_a_checkpoint_is_refused(target, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="not readable JSON"):
         read_speculators(tmp_path)
+    save_speculators(_perturbed_head(target), tmp_path / "ckpt", verifier="v")
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_head(tmp_path / "ckpt", target)
 
 
 def test_the_cli_draft_reads_a_checkpoint_folder(target, tmp_path):
@@ -342,6 +349,7 @@ def test_the_export_is_readable_as_other_files_are(target, tmp_path):
     os.umask(mask)
     for name in ("config.json", "model.safetensors"):
         assert stat.S_IMODE((tmp_path / "ckpt" / name).stat().st_mode) == 0o666 & ~mask, name
+    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o777 & ~mask
 
 
 def test_a_killed_export_is_recovered_and_other_model_folders_are_kept(target, tmp_path):

@@ -134,6 +134,7 @@ def save_speculators(head: Eagle3Head, out_dir: str | Path, *, dtype: torch.dtyp
         os.umask(mask)
         for name in FILES:  # readable as open(..., "w") makes files (the weights writer makes them private)
             os.chmod(tmp / name, 0o666 & ~mask)
+        os.chmod(tmp, 0o777 & ~mask)  # and the folder as mkdir makes one (mkdtemp makes it private)
         if out.exists():
             os.replace(out, old)  # onto the empty folder made above
         try:
@@ -209,10 +210,14 @@ def read_speculators(path: str | Path
     layer = conf.get("transformer_layer_config")
     _require(isinstance(layer, dict) and layer.get("num_hidden_layers", 1) == 1, path,
              "transformer_layer_config must describe one decoder layer")
+    _require(layer.get("model_type", "llama") == "llama", path,
+             f"a {layer.get('model_type')!r} decoder layer is not supported (only llama)")
     heads, kv = layer.get("num_attention_heads"), layer.get("num_key_value_heads", layer.get("num_attention_heads"))
     _require(heads == kv, path, f"grouped-query attention ({heads} query, {kv} key/value heads) is not supported")
     plain = layer.get("hidden_act", "silu") == "silu" and not layer.get("attention_bias") and not layer.get("mlp_bias")
     _require(plain, path, "only a bias-free SwiGLU (silu) layer is supported")
+    _require(isinstance(layer.get("rope_scaling") or {}, dict) and isinstance(layer.get("rope_parameters") or {}, dict),
+             path, "rope_scaling / rope_parameters must be JSON objects")
     scaling = layer.get("rope_scaling") or {}
     _require(scaling.get("rope_type", scaling.get("type", "default")) == "default", path,
              f"rope_scaling {scaling!r} is not supported")
@@ -222,8 +227,11 @@ def read_speculators(path: str | Path
     ids = conf.get("eagle_aux_hidden_state_layer_ids")
     _require(isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 1 for i in ids), path,
              f"eagle_aux_hidden_state_layer_ids must name target layers >= 1, got {ids!r}")
-    with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as err:  # safetensors' SafetensorError (garbage, truncated) is no ValueError
+        raise ValueError(f"{path}/model.safetensors: not a readable safetensors file ({type(err).__name__})") from None
     vocab = int(layer.get("vocab_size", 0))
     if "d2t" in tensors:
         d2t = tensors.pop("d2t").long()
@@ -234,6 +242,8 @@ def read_speculators(path: str | Path
                      "t2d and d2t name different token subsets")
     else:
         vocab_ids = torch.arange(vocab)
+    _require(conf.get("draft_vocab_size", vocab_ids.numel()) == vocab_ids.numel(), path,
+             f"draft_vocab_size {conf.get('draft_vocab_size')!r} does not match d2t ({vocab_ids.numel()} tokens)")
     lm_head = tensors.pop("lm_head.weight", None)
     _require(lm_head is not None and lm_head.shape[0] == vocab_ids.numel(), path,
              "lm_head.weight is missing or does not have draft_vocab_size rows")
