@@ -25,13 +25,11 @@ checkpoint back.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .head import HeadConfig, LayerHead, RMSNorm, _rope
+from .head import HeadConfig, LayerHead, RMSNorm, _rope, head_config_for
 
 
 def aux_layer_ids(feature_layers: tuple[int, ...]) -> list[int]:
@@ -170,15 +168,11 @@ def new_eagle3_head(target, vocab_ids: torch.Tensor, *, feature_layers: tuple[in
     reading ``feature_layers`` (treespec's numbering; default the engines' ``[2, L // 2, L - 3]``)."""
     from ..models.features import num_decoder_layers
 
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    if getattr(text, "final_logit_softcapping", None):
-        raise ValueError("EAGLE-3's layout has no logit soft-capping, which this target applies")
-    h = target.get_input_embeddings().weight.shape[1]
     layers = default_feature_layers(num_decoder_layers(target)) if feature_layers is None else tuple(feature_layers)
-    cfg = HeadConfig(hidden_size=h, target_vocab_size=target.get_output_embeddings().weight.shape[0],
-                     num_heads=num_heads, head_dim=head_dim or max(h // num_heads, 4),
-                     intermediate_size=intermediate_size or int(math.ceil(h * 3.2 / 64) * 64),
-                     rms_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6), feature_layers=layers)
+    cfg = head_config_for(target, num_heads=num_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+                          feature_layers=layers)
+    if cfg.softcap:
+        raise ValueError("EAGLE-3's layout has no logit soft-capping, which this target applies")
     torch.manual_seed(seed)
     head = Eagle3Head(cfg, torch.sort(torch.as_tensor(vocab_ids).long().unique()).values)
     with torch.no_grad():

@@ -267,15 +267,14 @@ def load_speculators(path: str | Path, target, *, dtype: torch.dtype = torch.flo
     attached to ``target``; refused where the checkpoint's ``lm_head`` (or embedding table) is not ``target``'s
     own LM-head rows on its subset (its input embedding): a head made for another target, since treespec
     computes with the target's own."""
+    from .subset_head import _target_device
     from .weights_file import build_checked
 
     cfg, tensors, vocab_ids, lm_head, embed = read_speculators(path)
     head = build_checked(path, Eagle3Head.FILE_WHAT, HeadConfig, cfg.record(), tensors,
                          lambda c: Eagle3Head(c, vocab_ids))
     head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
-    model = getattr(target, "model", target)
-    device = device or next(model.parameters()).device
-    head = head.to(device=device, dtype=dtype).eval().attach(target)
+    head = head.to(device=device or _target_device(target), dtype=dtype).eval().attach(target)
     for name, stored, own in (("lm_head.weight", lm_head, head.lm_rows),
                               ("embed_tokens.weight", embed, head.embedding_table)):
         same = stored is None or (stored.shape == own.shape and torch.allclose(

@@ -311,18 +311,27 @@ class EagleHead(LayerHead):
         return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
 
 
+def head_config_for(target, *, num_heads: int = 8, head_dim: int | None = None,
+                    intermediate_size: int | None = None, feature_layers: tuple[int, ...] = ()) -> HeadConfig:
+    """The config of a new one-layer head for ``target`` (a HF causal LM): its hidden size, vocabulary, norm
+    epsilon and final soft-capping; ``head_dim`` defaults to ``H // num_heads``, ``intermediate_size`` to
+    about 3.2 H (a multiple of 64)."""
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    h = target.get_input_embeddings().weight.shape[1]
+    return HeadConfig(hidden_size=h, target_vocab_size=target.get_output_embeddings().weight.shape[0],
+                      num_heads=num_heads, head_dim=head_dim or max(h // num_heads, 4),
+                      intermediate_size=intermediate_size or int(math.ceil(h * 3.2 / 64) * 64),
+                      rms_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
+                      softcap=getattr(text, "final_logit_softcapping", None), feature_layers=feature_layers)
+
+
 def new_head(target, vocab_ids: torch.Tensor, *, num_heads: int = 8, head_dim: int | None = None,
              intermediate_size: int | None = None, feature_layers: tuple[int, ...] = (), seed: int = 0
              ) -> EagleHead:
     """A freshly initialised head for ``target`` (a HF causal LM) over the subset ``vocab_ids``, reading
     the target's ``feature_layers`` besides its last hidden state (fused features)."""
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    h = target.get_input_embeddings().weight.shape[1]
-    cfg = HeadConfig(hidden_size=h, target_vocab_size=target.get_output_embeddings().weight.shape[0],
-                     num_heads=num_heads, head_dim=head_dim or max(h // num_heads, 4),
-                     intermediate_size=intermediate_size or int(math.ceil(h * 3.2 / 64) * 64),
-                     rms_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
-                     softcap=getattr(text, "final_logit_softcapping", None), feature_layers=tuple(feature_layers))
+    cfg = head_config_for(target, num_heads=num_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+                          feature_layers=tuple(feature_layers))
     torch.manual_seed(seed)
     head = EagleHead(cfg, torch.sort(torch.as_tensor(vocab_ids).long().unique()).values)
     with torch.no_grad():
