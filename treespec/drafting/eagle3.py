@@ -14,8 +14,8 @@ Training-Time Test", arXiv 2503.01840; own code, parameter names as the serving 
   itself; then ``post_attention_layernorm`` and a SwiGLU MLP. Its output ``o`` (before any norm) is
   what a child reads in place of ``g`` (``FEEDS_PRE_NORM``).
 * ``norm`` and the LM head on a reduced vocabulary: logits ``= norm(o) @ W[S].T``, ``W`` the target's
-  own LM-head rows on the head's subset ``S`` (frozen, as ``speculators`` 0.9.0 keeps them in training). The engines store ``S`` as
-  ``d2t`` (``S[i] - i``) and ``t2d`` (a mask over the target vocabulary).
+  own LM-head rows on the head's subset ``S`` (frozen, as ``speculators`` 0.9.0 keeps them in training).
+  The engines store ``S`` as ``d2t`` (``S[i] - i``) and ``t2d`` (a mask over the target vocabulary).
 
 The head drafts through :class:`~treespec.drafting.head_runner.HeadRunner` like the EAGLE head
 (:mod:`.head`) and trains with the same distillation loop (``python -m treespec.distill train
