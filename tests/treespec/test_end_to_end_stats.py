@@ -107,6 +107,7 @@ class UniformQ:
 
     def __init__(self, inner):
         self.inner = inner
+        self.feature_layers = tuple(getattr(inner, "feature_layers", ()))  # the target layers the inner one reads
 
     def law(self, sampling):
         return self.inner.law(sampling)

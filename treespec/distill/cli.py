@@ -1,4 +1,4 @@
-"""``python -m treespec.distill build-corpus | train | medusa | evaluate | export | acceptance`` (on the embedded
+"""``python -m treespec.distill build-corpus | train | medusa | kangaroo | evaluate | export | acceptance`` (on the embedded
 Gemma-3-270M or any Hugging Face causal LM).
 
 Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
@@ -150,6 +150,22 @@ def _add_medusa(sub) -> None:
     _config_arguments(m, MedusaTrainConfig())
 
 
+def _add_kangaroo(sub) -> None:
+    k = sub.add_parser("kangaroo", help="train (or resume) Kangaroo's adapter on corpora that store the exit layer")
+    _common_arguments(k)
+    k.add_argument("--corpus", default="train", help="corpus names or directories, comma-separated; each must store "
+                   "the target layer exit_layers - 1 (build-corpus --feature-layers)")
+    k.add_argument("--run", default="gemma3-270m-kangaroo", help="run name (checkpoints under the cache) ...")
+    k.add_argument("--run-dir", default=None, help="... or an explicit directory")
+    k.add_argument("--vocab-from", default=None,
+                   help="take the vocabulary subset of this head file (default: the shipped EAGLE head's)")
+    k.add_argument("--export", default=None, help="write the trained adapter here (.safetensors, fp16)")
+    k.add_argument("--time-limit", type=float, default=None, help="minutes")
+    from .kangaroo import AdapterTrainConfig
+
+    _config_arguments(k, AdapterTrainConfig())
+
+
 def _add_export(sub) -> None:
     x = sub.add_parser("export", help="write a run's newest checkpoint as a head file (training may go on)")
     x.add_argument("--run", default="gemma3-270m-head", help="run name (checkpoints under the cache) ...")
@@ -197,7 +213,8 @@ def _add_acceptance(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m treespec.distill", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    for add in (_add_build_corpus, _add_train, _add_evaluate, _add_medusa, _add_export, _add_acceptance):
+    for add in (_add_build_corpus, _add_train, _add_evaluate, _add_medusa, _add_kangaroo, _add_export,
+                _add_acceptance):
         add(sub)
     return ap
 
@@ -324,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(args) -> None:
     torch.set_num_threads(args.threads)
-    {"build-corpus": _build_corpus, "export": _export, "medusa": _medusa, "train": _train,
+    {"build-corpus": _build_corpus, "export": _export, "medusa": _medusa, "kangaroo": _kangaroo, "train": _train,
      "evaluate": _evaluate, "acceptance": _acceptance}[args.command](args)
 
 
@@ -411,6 +428,35 @@ def _medusa(args) -> None:
                                  **evaluate_medusa(heads, _corpus_dir(args.evaluate))}
     if args.export:
         heads.save(args.export, dtype=torch.float16, extra={"summary": summary})
+    print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
+
+
+#: the vocabulary subset of a new adapter for a target other than the embedded one (the shipped head's size)
+SUBSET_SIZE = 16384
+
+
+def _kangaroo(args) -> None:
+    """``kangaroo``: train (or resume) Kangaroo's adapter, optionally export it."""
+    from ..drafting.head_files import head_class_of
+    from ..models.loading import load_model
+    from .kangaroo import AdapterTrainConfig, train_adapter
+
+    vocab = None
+    if args.vocab_from:
+        vocab = read_head_file(args.vocab_from, head_class_of(args.vocab_from).load).vocab_ids
+    elif args.target == "embedded":
+        from ..drafting.head import EagleHead
+        from ..drafting.shipped import DEFAULT_HEAD
+
+        vocab = EagleHead.load(DEFAULT_HEAD).vocab_ids
+    cfg, model, run_dir, corpora = _training_setup(args, AdapterTrainConfig, load_model)
+    if vocab is None:  # another target: its corpora's most frequent tokens, as many as the shipped head scores
+        from .train import choose_vocab
+
+        vocab = choose_vocab(corpora, min(SUBSET_SIZE, model.get_output_embeddings().weight.shape[0]))
+    adapter, summary = train_adapter(model, corpora, run_dir, vocab, cfg, progress=not args.no_progress)
+    if args.export:
+        adapter.save(args.export, dtype=torch.float16, extra={"summary": summary})
     print(json.dumps({"run_dir": str(run_dir), **summary}, indent=1))
 
 

@@ -133,8 +133,8 @@ def run_loop(cfg: LoopConfig, model: torch.nn.Module, opt: torch.optim.Optimizer
     while step < cfg.steps:
         if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
             break
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * cosine_lr(step, cfg.warmup, cfg.steps, cfg.floor)
+        for group in opt.param_groups:  # a group may scale the peak rate ("lr_scale")
+            group["lr"] = cfg.lr * group.get("lr_scale", 1.0) * cosine_lr(step, cfg.warmup, cfg.steps, cfg.floor)
         opt.zero_grad(set_to_none=True)
         with torch.enable_grad():  # also when the caller runs under no_grad
             losses = step_fn(step)

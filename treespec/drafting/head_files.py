@@ -1,5 +1,5 @@
-"""One reader for every head file a user hands treespec: an EAGLE head, an EAGLE-3 head (both treespec
-``.safetensors`` files, told apart by their format tag), or a ``speculators`` EAGLE-3 checkpoint folder."""
+"""One reader for every head file a user hands treespec: an EAGLE head, an EAGLE-3 head, a Kangaroo adapter (all
+treespec ``.safetensors`` files, told apart by their format tag), or a ``speculators`` EAGLE-3 checkpoint folder."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 
 from .eagle3 import Eagle3Head
-from .head import EagleHead, LayerHead
+from .head import EagleHead
+from .kangaroo import KangarooAdapter
+from .subset_head import SubsetHead
 
 
-def load_head(path: str | Path, target, *, dtype: torch.dtype = torch.float32) -> LayerHead:
+def load_head(path: str | Path, target, *, dtype: torch.dtype = torch.float32) -> SubsetHead:
     """The head at ``path``, attached to ``target``: a folder is read as a ``speculators`` EAGLE-3 checkpoint
     (:func:`~treespec.drafting.eagle3_export.load_speculators`), a file by its format tag. A file of neither
     format is refused in one line (``ValueError``)."""
@@ -23,9 +25,10 @@ def load_head(path: str | Path, target, *, dtype: torch.dtype = torch.float32) -
     return head_class_of(path).load(path, target, dtype=dtype)
 
 
-def head_class_of(path: str | Path) -> type[LayerHead]:
+def head_class_of(path: str | Path) -> type[SubsetHead]:
     """The class of the head file at ``path`` by its format tag: :class:`~treespec.drafting.eagle3.Eagle3Head` for
-    an EAGLE-3 head, else :class:`~treespec.drafting.head.EagleHead` (whose reader refuses what is neither)."""
+    an EAGLE-3 head, :class:`~treespec.drafting.kangaroo.KangarooAdapter` for a Kangaroo adapter, else
+    :class:`~treespec.drafting.head.EagleHead` (whose reader refuses what is none of them)."""
     from safetensors import safe_open
 
     try:
@@ -33,7 +36,7 @@ def head_class_of(path: str | Path) -> type[LayerHead]:
             fmt = (fh.metadata() or {}).get("format")
     except Exception:  # missing or not a safetensors file: the EAGLE head's reader says which, in one line
         fmt = None
-    return Eagle3Head if fmt == Eagle3Head.FORMAT else EagleHead
+    return {Eagle3Head.FORMAT: Eagle3Head, KangarooAdapter.FORMAT: KangarooAdapter}.get(fmt, EagleHead)
 
 
 def is_speculators_checkpoint(name: str | Path) -> bool:
