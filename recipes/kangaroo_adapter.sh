@@ -12,7 +12,7 @@
 #
 # Only ../shared/data/train prompts are used (rows 11000: of the seeded order stay held out).
 # STAGE=corpus|train|export|all (default all), MINUTES per stage (default 30), THREADS (default 2), EXIT (default 2),
-# STEPS (default 900), LR (default 0.002), WARMUP (default 50), RUN (default kangaroo-adapter),
+# STEPS (default 900), LR (default 0.001), WARMUP (default 50), RUN (default kangaroo-adapter),
 # OUT (default .cache/kangaroo-adapter.safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ PY="${PY:-.venv/bin/python}"
 CACHE="${TREESPEC_CACHE:-$HOME/.cache/treespec}/distill"
 EXIT="${EXIT:-2}"
 STEPS="${STEPS:-900}"
-LR="${LR:-0.002}"
+LR="${LR:-0.001}"
 WARMUP="${WARMUP:-50}"
 RUN="${RUN:-kangaroo-adapter}"
 OUT="${OUT:-.cache/kangaroo-adapter.safetensors}"

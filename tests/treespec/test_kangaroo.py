@@ -1,6 +1,6 @@
 """Kangaroo's adapter (:mod:`treespec.drafting.kangaroo`, :mod:`treespec.distill.kangaroo`).
 
-1. Closed form: an untrained adapter (``o`` = 0) drafts exactly the early exit's logits on its subset.
+1. Closed form: the identity block (``o`` = 0) with the target's final norm drafts the early exit's logits.
 2. Against a slow reference: every node's draft logits in :class:`KangarooRunner`, over random
    branching trees and several rounds of commits (with the target's cache shared and without), equal
    a plain causal pass of the target over the node's root path (its residual stream after layer
@@ -28,7 +28,7 @@ from treespec.distill.inputs import DistillInputError
 from treespec.distill.kangaroo import AdapterTrainConfig, StatePool, adapter_losses, train_adapter
 from treespec.drafting.base import DraftState
 from treespec.drafting.head_files import head_class_of, load_head
-from treespec.drafting.kangaroo import KangarooAdapter, KangarooRunner, new_adapter
+from treespec.drafting.kangaroo import KangarooAdapter, KangarooRunner, final_norm_gain, new_adapter
 from treespec.drafters import build_tree_drafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.early_exit import SharedCacheRunner, early_exit_model
@@ -88,8 +88,13 @@ def _reference_logits(target, adapter, path):
     return full
 
 
-def test_untrained_adapter_is_the_early_exit(target):
+def test_identity_block_with_the_final_norm_is_the_early_exit(target):
+    """With ``o`` = 0 (as :func:`new_adapter` makes it) and ``out_norm`` set to the target's final norm, the
+    adapter's logits through its runner are the early exit's on the subset: the wiring of the early layers, the
+    shared residual stream and the LM-head rows."""
     adapter = new_adapter(target, torch.arange(0, V, 2), 2, num_heads=2, head_dim=8)
+    with torch.no_grad():
+        adapter.out_norm.weight.copy_(final_norm_gain(target))
     runner = adapter.as_runner()
     prompt = list(range(5, 25))
     runner.observe(_state(prompt, None, target, 1))
@@ -217,7 +222,7 @@ def test_save_load_and_wrong_target(tmp_path, target, adapter):
     x = torch.randn(1, 5, adapter.cfg.hidden_size)
     pos = torch.arange(5)[None]
     assert torch.equal(back(x, pos), adapter(x, pos)) and torch.equal(back.vocab_ids, adapter.vocab_ids)
-    with pytest.raises(ValueError, match="another target"):
+    with pytest.raises(ValueError, match="needs a target of more than 2 decoder layers"):
         KangarooAdapter.load(path, tiny_model("gemma3", V, seed=0, num_layers=2))
     with pytest.raises(ValueError, match="attach"):
         KangarooRunner(KangarooAdapter(adapter.cfg, adapter.vocab_ids))
@@ -265,3 +270,45 @@ def test_training_improves_agreement_and_resumes(target, layer_corpus, tmp_path)
     with pytest.raises(DistillInputError, match="reads target layer 2"):
         train_adapter(target, [layer_corpus], tmp_path / "run3", vocab,
                       AdapterTrainConfig(**{**CFG.__dict__, "exit_layers": 3}), progress=False)
+
+
+def test_cli_trains_evaluates_and_drafts(tmp_path, capsys, monkeypatch):
+    """``python -m treespec.distill kangaroo`` on a saved tiny target (2 layers: exit after 1) trains and exports;
+    ``evaluate`` measures the file (depth 1 = every depth along the text); ``treespec generate --draft FILE``
+    drafts with it on the eager and the fast runner, greedy output equal to ``--plain``."""
+    import json
+
+    from treespec.cli import main as cli_main
+
+    from .test_distill_inputs import PROMPTS, last_json, make_model_dir, run_cli, write_prompts
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model_dir = make_model_dir(tmp_path / "model")
+    p = write_prompts(tmp_path / "train.jsonl", PROMPTS)
+    common = ["--target", model_dir, "--dtype", "float32", "--no-progress"]
+    code, _, err = run_cli(["build-corpus", *common, "--prompts", p, "--out", tmp_path / "c", "--max-len", 40,
+                            "--topk", 0, "--shard-positions", 100, "--batch-size", 2, "--feature-layers", "0"], capsys)
+    assert code == 0, err
+    adapter = tmp_path / "k.safetensors"
+    code, out, err = run_cli(["kangaroo", *common, "--corpus", tmp_path / "c", "--run-dir", tmp_path / "r",
+                              "--exit-layers", 1, "--steps", 4, "--seq-len", 16, "--num-heads", 2, "--head-dim", 8,
+                              "--export", adapter], capsys)
+    assert code == 0, err
+    assert last_json(out)["steps"] == 4 and head_class_of(adapter) is KangarooAdapter
+    code, out, err = run_cli(["kangaroo", *common, "--corpus", tmp_path / "c", "--run-dir", tmp_path / "r2",
+                              "--exit-layers", 2, "--steps", 4], capsys)
+    assert code == 2 and "needs a target of more than 2 decoder layers" in err.strip().splitlines()[-1]
+    code, out, err = run_cli(["evaluate", *common, "--head", adapter, "--prompts", p, "--num-prompts", 2,
+                              "--new-tokens", 4, "--depths", 2, "--tau", "--tau-prompts", 1], capsys)
+    assert code == 0, err
+    m = last_json(out)
+    assert m["positions_T0"] > 0 and 0 <= m["top1_agreement_T0"] <= 1 and m["step_cost"]["head_step_s"] > 0
+    runs = {}
+    for runner in ("eager", "fast", "plain"):
+        extra = ["--plain"] if runner == "plain" else ["--draft", str(adapter), "--runner", runner]
+        code = cli_main(["generate", "w1 w2 w3 w4 w5 w1 w2", "--target", str(model_dir), "--max-new-tokens", "16",
+                         "--no-stop", "--json", "--threads", "1", "--dtype", "float32", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        runs[runner] = json.loads(out)
+    assert runs["eager"]["token_ids"] == runs["fast"]["token_ids"] == runs["plain"]["token_ids"]

@@ -55,26 +55,28 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
 
     The target step is the engine's runner of ``model`` (the fast runner where it covers the model,
     :func:`~treespec.models.fast.make_runner`; the eager Hugging Face runner is timed beside it, as
-    ``eager_target_step_s``). The head step is what :class:`~treespec.drafting.head_runner.HeadRunner`
-    does for a new root: take the target's last hidden state, one entry through the head, the root's
-    logits on the head's subset (what the tree builders ask for), keep it. Pass the head as it drafts
+    ``eager_target_step_s``). The head step is what the head's runner (``head.as_runner()``) does for a
+    new root: take the target's features of the newly committed position, one entry through the head (for
+    a Kangaroo adapter: the early layers on the root, over the target's shared cache, then the adapter),
+    the root's logits on the head's subset (what the tree builders ask for), keep it. Pass the head as it drafts
     (``head.for_inference(dtype)`` is the CLI's path: bf16 and packed on a CPU with native bf16).
     Target and head steps alternate, so both see the same state of the machine.
     """
     from ..drafting.base import DraftState
-    from ..drafting.head_runner import HeadRunner
     from ..models.fast import make_runner
     from ..models.runner import ModelRunner
     from ..tree import TokenTree
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, head.cfg.target_vocab_size, (context + reps + 1,), generator=g)
-    layers = head.cfg.feature_layers
-    drafter = HeadRunner(head)
+    ids = torch.randint(0, head.cfg.target_vocab_size, (context + reps + 2,), generator=g)
+    layers = tuple(head.feature_layers)
+    drafter = head.as_runner()
 
-    def head_step(root: int, new_hidden: torch.Tensor, chain: torch.Tensor | None) -> None:
-        """Root at position ``root``; ``new_hidden`` ends with the target's state at ``root - 1``."""
-        drafter.observe(DraftState(ids[: root + 1].tolist(), 1, new_hidden))
+    def head_step(root: int, new_hidden: torch.Tensor, target) -> None:
+        """A new root at position ``root`` (the target holds every position before it); ``new_hidden`` ends with
+        the target's state at ``root - 1``."""
+        drafter.observe(DraftState(ids[: root + 1].tolist(), 1, new_hidden, target))
+        chain = ids[drafter.length:root] if drafter.length < root else None
         tree = TokenTree.from_lists([-1], [int(ids[root])], "deterministic")
         drafter.forward(tree, torch.zeros(1, dtype=torch.long), chain, need_logits="subset")
         drafter.commit([0])
@@ -82,17 +84,15 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
     result = {}
     for name, runner in (("eager", ModelRunner(model)), ("engine", make_runner(model, fast=True))):
         drafter.reset()
-        hidden = runner.forward(None, None, ids[:context], need_hidden=True, feature_layers=layers)["hidden"]  # [context, F]
-        head_step(context - 1, hidden[:-1], ids[: context - 1])
-        last = hidden[-1:]  # [1, F] the target's state at the position before the next root
+        last = runner.forward(None, None, ids[:context], need_hidden=True, feature_layers=layers)["hidden"]  # [context, F]
+        head_step(context, last, runner)
         t_target, t_head = [], []
         for i in range(reps):
             t0 = time.perf_counter()
             out = runner.forward(None, None, ids[context + i:context + i + 1], need_hidden=True, feature_layers=layers)
             t1 = time.perf_counter()
-            head_step(context + i, last, None)
+            head_step(context + i + 1, out["hidden"], runner)
             t2 = time.perf_counter()
-            last = out["hidden"]
             t_target.append(t1 - t0)
             t_head.append(t2 - t1)
         result[name] = (statistics.median(t_target), statistics.median(t_head), type(runner).__name__)

@@ -45,18 +45,17 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
         agree, accept, count = sums.setdefault(None if groups is None else groups[i],
                                                [[0.0] * depths, [0.0] * depths, [0] * depths])
         seq = torch.tensor(prompt + gen, device=device)
-        f = model_features(model, seq[None], layers=head.cfg.feature_layers)[0].float()  # [n, F]
-        h = head.last_hidden(f)  # [n, H]
-        feats = head.unroll(f[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=device)[None], depths)
         hi = seq.numel() - 1  # positions j in [lo, hi) predict generated tokens
-        p = torch.softmax(lm_logits(model, h[max(len(prompt) - 1, 1):hi]), dim=-1)  # [g, V]
+        first = max(len(prompt) - 1, 1)
+        p, draft_rows = _rows_along(model, head, seq, depths, first)  # p from position first; q rows at j - 1
+        p = torch.softmax(p, dim=-1)  # [g, V]
         top_p = p.argmax(-1)
         for k in range(1, depths + 1):
-            lo = max(len(prompt) - 1, k)  # feats[.][j - 1] is position j; depth k needs j >= k
+            lo = max(len(prompt) - 1, k)  # row j - 1 is position j; depth k needs j >= k
             if lo >= hi:
                 continue
             pk = p[lo - max(len(prompt) - 1, 1):]
-            q_sub = torch.softmax(head.logits(feats[k - 1][0, lo - 1:hi - 1]), dim=-1)  # [g_k, |S|]
+            q_sub = torch.softmax(draft_rows(k)[lo - 1:hi - 1], dim=-1)  # [g_k, |S|]
             agree[k - 1] += float((head.vocab_ids[q_sub.argmax(-1)] == top_p[-pk.shape[0]:]).sum())
             accept[k - 1] += float(torch.minimum(pk[:, head.vocab_ids], q_sub).sum())
             count[k - 1] += hi - lo
@@ -72,3 +71,17 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
     if groups is not None:
         out["by_group"] = {g: summarise(*v) for g, v in sorted(sums.items())}
     return out
+
+
+def _rows_along(model, head, seq: torch.Tensor, depths: int, first: int):
+    """The target's logits ``[n - 1 - first, V]`` at positions ``first .. n - 2`` of ``seq`` ``[n]`` and a function
+    giving the head's subset logits ``[n - 1, |S|]`` at depth ``k`` at positions ``1 .. n - 1``: through
+    :meth:`EagleHead.unroll` for a one-layer head that feeds on its own outputs, else through the head's
+    ``depth_logits`` (a Kangaroo adapter)."""
+    hi = seq.numel() - 1
+    if not hasattr(head, "unroll"):
+        t_logits, d_all = head.depth_logits(model, seq[None], depths)  # rows at positions 1 .. n - 1
+        return t_logits[first - 1:hi - 1], lambda k: d_all[k - 1][:, head.vocab_ids]
+    f = model_features(model, seq[None], layers=head.cfg.feature_layers)[0].float()  # [n, F]
+    feats = head.unroll(f[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=seq.device)[None], depths)
+    return lm_logits(model, head.last_hidden(f)[first:hi]), lambda k: head.logits(feats[k - 1][0])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafting.kangaroo import KangarooAdapter, new_adapter
+from ..drafting.kangaroo import KangarooAdapter, final_norm_gain, new_adapter
 from ..files import atomic_write_json
 from .corpus import load_manifest, read_shard
 from .inputs import DistillInputError, require_number, require_type
@@ -35,9 +35,9 @@ CKPT_NAME = "kangaroo-ckpt.pt"  # one checkpoint, rewritten in place
 class AdapterTrainConfig:
     exit_layers: int = 2  # L: the adapter reads the target's residual stream after its first L layers
     steps: int = 300
-    batch_size: int = 4  # windows per step
-    seq_len: int = 256  # positions per window
-    lr: float = 2e-3
+    batch_size: int = 8  # windows per step
+    seq_len: int = 128  # positions per window
+    lr: float = 1e-3
     warmup: int = 20
     floor: float = 0.1  # final learning rate as a fraction of lr
     weight_decay: float = 0.0
@@ -151,13 +151,12 @@ def train_adapter(target, corpora: list[str | Path], run_dir: str | Path, vocab_
     adapter = new_adapter(target, vocab_ids, cfg.exit_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                           seed=cfg.seed)
     adapter.train()
-    # the output norm's gain starts at the target's final norm (a mean of 26 on Gemma-3-270M): its steps are scaled
-    # by that size, so that Adam's steps (about lr each) move it as fast, relatively, as the other weights
-    gain = adapter.out_norm.weight
+    # the output norm's gain starts at 1 and has to reach the scale of the target's own final-norm gains (a mean of
+    # 26 on Gemma-3-270M): its steps are scaled by that size, as Adam's steps are about lr each
+    scale = max(float(final_norm_gain(target).abs().mean()), 1.0)
     others = [p for n, p in adapter.named_parameters() if n != "out_norm.weight"]
-    opt = torch.optim.AdamW([{"params": others}, {"params": [gain], "weight_decay": 0.0,
-                                                  "lr_scale": max(float(gain.detach().abs().mean()), 1.0)}],
-                            lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW([{"params": others}, {"params": [adapter.out_norm.weight], "weight_decay": 0.0,
+                                                  "lr_scale": scale}], lr=cfg.lr, weight_decay=cfg.weight_decay)
     history, start_seconds = (ckpt["history"], ckpt["seconds"]) if ckpt is not None else ([], 0.0)
     seconds = start_seconds
     sub_index = torch.full((adapter.cfg.target_vocab_size,), -1, dtype=torch.long)
