@@ -371,7 +371,8 @@ def _draft_arguments(g: argparse.ArgumentParser) -> None:
                         "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone: an adaptive "
                         "chain of up to 8 tokens, the measured default), 'ngram:DEPTH,BRANCHES' (prompt lookup "
                         "drafting up to BRANCHES continuations of DEPTH tokens, e.g. ngram:8,4), 'none', "
-                        "a draft causal LM path/id sharing the tokenizer, an EAGLE or EAGLE-3 head .safetensors "
+                        "a draft causal LM path/id sharing the tokenizer, an EAGLE or EAGLE-3 head or a Kangaroo "
+                        "adapter .safetensors "
                         "(python -m treespec.distill; 'lookup+PATH.safetensors' pairs it with lookup) or an "
                         "EAGLE-3 checkpoint folder in the layout of vLLM's speculators, or "
                         "early-exit:L (the target's first L layers as its own draft)")

@@ -12,11 +12,11 @@ arXiv 2404.18911; own code):
 * logits ``= out_norm(a) @ W[S].T``, ``W`` the target's own LM-head rows on a vocabulary subset ``S``
   (:class:`~treespec.drafting.subset_head.SubsetHead`: q is exactly 0 outside ``S``).
 
-``o`` starts at zero, so an untrained block passes ``r`` through; ``out_norm``'s gain starts at the mean of the
-target's final-norm gains, one value for every channel. (With the final norm's own per-channel gains the adapter
-would start as the early exit itself, but on Gemma-3-270M those gains, 26 on average and up to 300, are tuned to
-the last layer: on the second layer's residual stream they gave a soft cross-entropy near 20 nats and training
-that swung between 7 and 12 nats after 170 steps.) Training: ``python -m treespec.distill kangaroo``.
+``o`` starts at zero, so an untrained block passes ``r`` through, and ``out_norm``'s gain starts at 1. With the
+target's final-norm gains instead, the untrained adapter would be the early exit itself; on Gemma-3-270M those
+gains (26 on average, up to 300) are tuned to the last layer, and on the second layer's residual stream they gave
+a soft cross-entropy near 20 nats against the target, where gain 1 starts near 10. Training:
+``python -m treespec.distill kangaroo``.
 
 Unlike an EAGLE head, the adapter never reads its own outputs: a drafted token's ``r`` comes from
 running the early layers on the token itself, so a node at depth ``k`` sees exactly the states the
@@ -300,6 +300,9 @@ class KangarooRunner(HoldsCacheBook):
             return result
         used = book.length + len(book.slots)
         _, _, _, q_pos = book.inputs(tree, nodes, None, self.device)
+        if book.root_position != self.early.root_position:
+            raise RuntimeError(f"the adapter's tree starts at position {book.root_position}, the early exit's at "
+                               f"{self.early.root_position}: feed both the same committed tokens")
         x, q = self._append(early[m:].float(), q_pos)  # [1, n, H], [1, heads, n, hd]
         total = used + n
         visible = book.visible_keys(nodes, 0, n, book.length, total, self.device)  # [n, total]
