@@ -109,7 +109,8 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
         return args.target, None
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    gguf_draft = args.draft in DRAFT_WORDS or args.draft.endswith(".safetensors")  # lookup+H.safetensors included
+    gguf_draft = (args.draft in DRAFT_WORDS or args.draft.endswith(".safetensors")) \
+        and _layers_head(args.draft) is None  # lookup+H.safetensors included
     pytorch_asked = (args.dtype != "auto" or args.exact or args.quantize != "none" or args.runner != "auto"
                      or args.draft_quantize not in ("auto", "none") or not gguf_draft)
     if dtype == torch.float32 and not pytorch_asked:
@@ -189,6 +190,19 @@ def _resolved_draft(args: argparse.Namespace, dtype: torch.dtype | None = None) 
                         f"shipped head does not fit: name a --draft model or head file{spelled}, or drop {flag}")
 
 
+def _layers_head(draft: str) -> str | None:
+    """What the head file ``draft`` (``lookup+`` allowed) is when it reads more of the target than its last hidden
+    state, which is all llama.cpp returns: a Kangaroo adapter (the target's early layers and KV cache) or an EAGLE-3
+    head (three earlier layers); None otherwise (no such file, or an EAGLE head)."""
+    path = draft.removeprefix("lookup+")
+    if not path.endswith(".safetensors") or not os.path.isfile(path):
+        return None
+    from .drafting.head_files import head_class_of
+
+    return {"KangarooAdapter": "a Kangaroo adapter", "Eagle3Head": "an EAGLE-3 head"}.get(
+        head_class_of(path).__name__)
+
+
 def _check_gguf_args(args: argparse.Namespace) -> None:
     """A GGUF target runs in llama.cpp: its weights and kernels are the file's, so the PyTorch target options
     do not apply, and the draft head fits the embedded model's GGUF only."""
@@ -200,6 +214,10 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
             raise CliInputError(f"{flag} applies to PyTorch targets; a GGUF target runs llama.cpp on the file's own "
                                 f"weights")
     draft = "none" if args.plain else _resolved_draft(args)
+    kind = _layers_head(draft)
+    if kind is not None:
+        raise CliInputError(f"--draft {draft} is {kind}, which reads the target's earlier layers: it needs a PyTorch "
+                            f"target (--target embedded)")
     if _reads_head(draft) and args.target != EMBEDDED_GGUF:
         raise CliInputError(f"--draft {draft} reads the hidden states of the embedded Gemma-3-270M; on another GGUF "
                             f"use --draft ngram or none")

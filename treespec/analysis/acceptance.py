@@ -84,7 +84,8 @@ def step_cost(model, head: EagleHead, context: int = 128, reps: int = 30) -> dic
     result = {}
     for name, runner in (("eager", ModelRunner(model)), ("engine", make_runner(model, fast=True))):
         drafter.reset()
-        last = runner.forward(None, None, ids[:context], need_hidden=True, feature_layers=layers)["hidden"]  # [context, F]
+        last = runner.forward(None, None, ids[:context], need_hidden=True,
+                              feature_layers=layers)["hidden"]  # [context, F]
         head_step(context, last, runner)
         t_target, t_head = [], []
         for i in range(reps):

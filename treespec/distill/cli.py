@@ -1,5 +1,5 @@
-"""``python -m treespec.distill build-corpus | train | medusa | kangaroo | evaluate | export | acceptance`` (on the embedded
-Gemma-3-270M or any Hugging Face causal LM).
+"""``python -m treespec.distill build-corpus | train | medusa | kangaroo | evaluate | export | acceptance`` (on the
+embedded Gemma-3-270M or any Hugging Face causal LM).
 
 Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
 otherwise: corpora in ``corpus/<name>``, runs (checkpoints, ``head.safetensors``) in ``runs/<name>``.
@@ -160,6 +160,7 @@ def _add_kangaroo(sub) -> None:
     k.add_argument("--vocab-from", default=None,
                    help="take the vocabulary subset of this head file (default: the shipped EAGLE head's)")
     k.add_argument("--export", default=None, help="write the trained adapter here (.safetensors, fp16)")
+    k.add_argument("--device", default=None, help="where to train (default: the CPU)")
     k.add_argument("--time-limit", type=float, default=None, help="minutes")
     from .kangaroo import AdapterTrainConfig
 
@@ -450,6 +451,8 @@ def _kangaroo(args) -> None:
 
         vocab = EagleHead.load(DEFAULT_HEAD).vocab_ids
     cfg, model, run_dir, corpora = _training_setup(args, AdapterTrainConfig, load_model)
+    if args.device:
+        model = model.to(args.device)
     if vocab is None:  # another target: its corpora's most frequent tokens, as many as the shipped head scores
         from .train import choose_vocab
 

@@ -55,7 +55,7 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
             if lo >= hi:
                 continue
             pk = p[lo - max(len(prompt) - 1, 1):]
-            q_sub = torch.softmax(draft_rows(k)[lo - 1:hi - 1], dim=-1)  # [g_k, |S|]
+            q_sub = torch.softmax(draft_rows(k, lo), dim=-1)  # [g_k, |S|]
             agree[k - 1] += float((head.vocab_ids[q_sub.argmax(-1)] == top_p[-pk.shape[0]:]).sum())
             accept[k - 1] += float(torch.minimum(pk[:, head.vocab_ids], q_sub).sum())
             count[k - 1] += hi - lo
@@ -75,13 +75,18 @@ def depth_metrics(model, head: EagleHead, prompts: list[list[int]], gens: list[l
 
 def _rows_along(model, head, seq: torch.Tensor, depths: int, first: int):
     """The target's logits ``[n - 1 - first, V]`` at positions ``first .. n - 2`` of ``seq`` ``[n]`` and a function
-    giving the head's subset logits ``[n - 1, |S|]`` at depth ``k`` at positions ``1 .. n - 1``: through
-    :meth:`EagleHead.unroll` for a one-layer head that feeds on its own outputs, else through the head's
-    ``depth_logits`` (a Kangaroo adapter)."""
+    ``(k, lo) ->`` the head's subset logits at depth ``k`` at positions ``lo .. n - 2`` (``lo >= 1``): through
+    :meth:`EagleHead.unroll` for a one-layer head that feeds on its own outputs; for a Kangaroo adapter, whose
+    draft along the text is the same at every depth, through one teacher-forced pass of the adapter."""
+    from ..drafting.kangaroo import KangarooAdapter
+
     hi = seq.numel() - 1
-    if not hasattr(head, "unroll"):
-        t_logits, d_all = head.depth_logits(model, seq[None], depths)  # rows at positions 1 .. n - 1
-        return t_logits[first - 1:hi - 1], lambda k: d_all[k - 1][:, head.vocab_ids]
-    f = model_features(model, seq[None], layers=head.cfg.feature_layers)[0].float()  # [n, F]
+    f = model_features(model, seq[None], layers=tuple(head.feature_layers))[0].float()  # [n, F]
+    if isinstance(head, KangarooAdapter):
+        h = head.cfg.hidden_size
+        with torch.no_grad():
+            positions = torch.arange(seq.numel(), device=seq.device)[None]
+            out = head(f[None, :, :h].to(head.attn_norm.weight.dtype), positions)  # [1, n, H]
+        return lm_logits(model, f[first:hi, h:]), lambda k, lo: head.logits(out[0, lo:hi])
     feats = head.unroll(f[None, :-1], seq[None, 1:], torch.arange(1, seq.numel(), device=seq.device)[None], depths)
-    return lm_logits(model, head.last_hidden(f)[first:hi]), lambda k: head.logits(feats[k - 1][0])
+    return lm_logits(model, head.last_hidden(f)[first:hi]), lambda k, lo: head.logits(feats[k - 1][0, lo - 1:hi - 1])

@@ -1,8 +1,8 @@
-"""Training Kangaroo's adapter on a distillation corpus (``python -m treespec.distill kangaroo``).
+"""Training Kangaroo's adapter on distillation corpora (``python -m treespec.distill kangaroo``).
 
-The adapter (:class:`~treespec.drafting.kangaroo.KangarooAdapter`) reads, at every position ``j``,
-the target's residual stream ``r_{L-1, j}`` after its first ``L`` layers. A corpus built with ``--feature-layers`` holding ``L - 1``
-stores ``r_{L-1}`` at every position, so training needs no target forward at all. At inference the
+The adapter (:class:`~treespec.drafting.kangaroo.KangarooAdapter`) reads, at every position ``j``, the
+target's residual stream ``r_{L-1, j}`` after its first ``L`` layers. A corpus built with ``--feature-layers``
+holding ``L - 1`` stores ``r_{L-1}`` at every position, so training needs no target forward at all. At inference the
 adapter sees exactly these states (the early layers run on the drafted tokens themselves), so it
 trains teacher-forced, at depth 1 only, on windows of whole sequences (its attention reads the
 window's earlier states).
@@ -47,6 +47,7 @@ class AdapterTrainConfig:
     head_dim: int = 64
     ckpt_every: int = 25
     seed: int = 0
+    max_shards: int | tuple[int, ...] | None = None  # the first shards of each corpus (one count, or one per corpus)
     time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -61,18 +62,24 @@ class StatePool:
     """The early-exit states' source in memory: per position the stored residual ``r_{L-1}`` and last hidden
     state ``h`` (bf16) and the token, for every finished shard of the corpora; :meth:`batch` cuts windows."""
 
-    def __init__(self, corpora: list[str | Path], layer: int) -> None:
+    def __init__(self, corpora: list[str | Path], layer: int, max_shards: int | tuple[int, ...] | None = None) -> None:
         from .train import corpus_shards
 
         resid, hidden, tokens, starts, ends = [], [], [], [], []
         base = 0
-        for corpus in corpora:
+        self.shard_names: list[str] = []  # "corpus/shard" of every shard read: the data a run trains on
+        counts = max_shards if isinstance(max_shards, tuple) else (max_shards,) * len(corpora)
+        if len(counts) != len(corpora):
+            raise DistillInputError(f"max_shards={list(max_shards)} gives {len(counts)} counts for {len(corpora)} "
+                                    "corpora; give one count, or one per corpus")
+        for corpus, count in zip(corpora, counts):
             stored = list(load_manifest(corpus)["options"].get("feature_layers", []))
             if layer not in stored:
                 raise DistillInputError(f"corpus {corpus}: the adapter reads target layer {layer}, the corpus stores "
                                         f"{stored} (build one with --feature-layers {layer})")
             col = stored.index(layer)
-            for path, sh in corpus_shards(corpus):
+            for path, sh in corpus_shards(corpus, count):
+                self.shard_names.append(f"{Path(corpus).name}/{path.name}")
                 data = read_shard(path, ("offsets", "hidden", "tokens", "features"), sh["positions"])
                 h = data["hidden"].shape[1]
                 resid.append(data["features"][:, col * h:(col + 1) * h].clone())
@@ -138,14 +145,18 @@ def train_adapter(target, corpora: list[str | Path], run_dir: str | Path, vocab_
     """Train (or resume) a Kangaroo adapter for ``target`` (float32) on ``corpora``; returns it and a summary.
 
     ``vocab_ids``: the subset it scores (e.g. the shipped EAGLE head's); a resumed run keeps its own."""
+    from .train import _corpus_dirs
+
+    _corpus_dirs(target, corpora, cfg)  # built with this target, or refused in one line
     run_dir, ckpt_path, ckpt = open_run(run_dir, CKPT_NAME)
     if ckpt is not None:
         if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("vocab_ids"), torch.Tensor):
             raise DistillInputError(f"checkpoint {ckpt_path}: not a Kangaroo adapter checkpoint")
         require_type(ckpt, "history", list, f"checkpoint {ckpt_path}")
         require_number(ckpt, "seconds", f"checkpoint {ckpt_path}")
-        same = {k: v for k, v in ckpt["config"].items() if k != "time_limit_s"}
-        if same != {k: v for k, v in asdict(cfg).items() if k != "time_limit_s"}:
+        free = ("time_limit_s", "max_shards")  # the shards read are checked by name below
+        before = {k: v for k, v in ckpt["config"].items() if k not in free}
+        if before != {k: v for k, v in asdict(cfg).items() if k not in free}:
             raise DistillInputError(f"{run_dir} holds a run with another configuration; use another run directory")
         vocab_ids = ckpt["vocab_ids"]
     adapter = new_adapter(target, vocab_ids, cfg.exit_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
@@ -161,13 +172,20 @@ def train_adapter(target, corpora: list[str | Path], run_dir: str | Path, vocab_
     seconds = start_seconds
     sub_index = torch.full((adapter.cfg.target_vocab_size,), -1, dtype=torch.long)
     sub_index[adapter.vocab_ids.cpu()] = torch.arange(adapter.vocab_ids.numel())
-    pool = StatePool(corpora, adapter.cfg.feature_layer)
+    pool = StatePool(corpora, adapter.cfg.feature_layer, cfg.max_shards)
+    if ckpt is not None and "shards" in ckpt and ckpt["shards"] != pool.shard_names:
+        raise DistillInputError(f"{run_dir} trained on other corpus shards ({len(ckpt.get('shards') or [])} then, "
+                                f"{len(pool.shard_names)} now): pin them with --max-shards, or use another run "
+                                "directory")
+    device = adapter.qkv.weight.device
+    sub_index = sub_index.to(device)
     loop = LoopConfig(steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, floor=cfg.floor, clip=cfg.grad_clip,
                       ckpt_every=cfg.ckpt_every, time_limit_s=cfg.time_limit_s)
 
     def step_fn(step: int) -> dict:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # windows: a function of the step
-        return adapter_losses(adapter, pool.batch(cfg.batch_size, cfg.seq_len, g), cfg, sub_index)
+        batch = {k: v.to(device) for k, v in pool.batch(cfg.batch_size, cfg.seq_len, g).items()}
+        return adapter_losses(adapter, batch, cfg, sub_index)
 
     def on_step(step: int, losses: dict) -> None:
         nonlocal seconds
@@ -180,7 +198,8 @@ def train_adapter(target, corpora: list[str | Path], run_dir: str | Path, vocab_
                 print(f"step {step}: loss {row['loss']:.3f} top-1 agreement {row['agree']:.3f}", flush=True)
 
     def extra() -> dict:
-        return {"config": asdict(cfg), "vocab_ids": adapter.vocab_ids.cpu(), "history": history, "seconds": seconds}
+        return {"config": asdict(cfg), "vocab_ids": adapter.vocab_ids.cpu(), "history": history, "seconds": seconds,
+                "shards": pool.shard_names}
 
     t0 = time.perf_counter()
     step = run_loop(loop, adapter, opt, step_fn, run_dir=run_dir, name=CKPT_NAME, keys=("adapter", "opt"),

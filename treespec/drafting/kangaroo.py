@@ -14,9 +14,9 @@ arXiv 2404.18911; own code):
 
 ``o`` starts at zero, so an untrained block passes ``r`` through, and ``out_norm``'s gain starts at 1. With the
 target's final-norm gains instead, the untrained adapter would be the early exit itself; on Gemma-3-270M those
-gains (26 on average, up to 300) are tuned to the last layer, and on the second layer's residual stream they gave
-a soft cross-entropy near 20 nats against the target, where gain 1 starts near 10. Training:
-``python -m treespec.distill kangaroo``.
+gains (up to 300) are tuned to the last layer, made the logits on the second layer's stream far too sharp, and
+training from them swung widely, so the gain starts at 1 and trains with larger steps
+(:func:`treespec.distill.kangaroo.train_adapter`). Training: ``python -m treespec.distill kangaroo``.
 
 Unlike an EAGLE head, the adapter never reads its own outputs: a drafted token's ``r`` comes from
 running the early layers on the token itself, so a node at depth ``k`` sees exactly the states the
@@ -254,23 +254,26 @@ class KangarooRunner(HoldsCacheBook):
 
     def observe(self, state: DraftObservation) -> None:
         """Let the early exit adopt the target's cache, and add the adapter's entries of the newly committed
-        positions from the target's features at layer ``L - 1`` (``state.target_hidden``)."""
-        self.early.observe(state)
-        hid = state.target_hidden
-        if hid is None or hid.shape[0] == 0:
-            return
-        width = 2 * self.adapter.cfg.hidden_size
-        if hid.shape[-1] != width:
-            raise ValueError(f"DraftState.target_hidden: the adapter reads target features of width {width} (layer "
-                             f"{self.adapter.cfg.feature_layer} + the last hidden state), got {hid.shape[-1]}")
-        first = len(state.tokens) - 1 - hid.shape[0]  # position of row 0
-        have = self.book.length
+        positions from the target's features at layer ``L - 1`` (``state.target_hidden``). Without features for
+        every position the adapter lacks (an engine that hands none), the early exit keeps a cache of its own and
+        both caches catch up from its states on the next chain."""
         if self.book.slots:
             raise RuntimeError("uncommitted tree nodes are in the adapter's cache: commit before the next proposal")
-        if first > have:
-            raise RuntimeError(f"the target features start at position {first}, the adapter holds {have} entries")
-        new = hid[have - first:]  # [k, 2H] the positions not held yet
-        if new.shape[0]:
+        hid = state.target_hidden
+        have, committed = self.book.length, len(state.tokens) - 1
+        rows = 0 if hid is None else hid.shape[0]
+        if committed - rows > have:  # features missing for some position the adapter lacks: no sharing
+            from .base import DraftState
+
+            self.early.observe(DraftState(list(state.tokens), state.max_depth, None, None))
+            return
+        self.early.observe(state)
+        width = 2 * self.adapter.cfg.hidden_size
+        if rows and hid.shape[-1] != width:
+            raise ValueError(f"DraftState.target_hidden: the adapter reads target features of width {width} (layer "
+                             f"{self.adapter.cfg.feature_layer} + the last hidden state), got {hid.shape[-1]}")
+        new = hid[have - (committed - rows):] if rows else None  # [k, 2H] the positions not held yet
+        if new is not None and new.shape[0]:
             with torch.no_grad():
                 self._append(new[:, : self.adapter.cfg.hidden_size].to(self.device).float(),
                              torch.arange(have, have + new.shape[0], device=self.device))
@@ -282,16 +285,17 @@ class KangarooRunner(HoldsCacheBook):
         """Append ``chain`` (committed) then tree ``nodes``; ``logits`` ``[n, V]`` of the nodes (``[n, |S|]`` and
         ``vocab_ids`` with ``need_logits="subset"``), ``hidden`` ``[n, H]`` the adapter's features."""
         base = self.early.length  # where the chain starts
-        early = self.early.forward(tree, nodes, chain, need_logits=False, need_hidden=True)["hidden"]  # [m + n, H]
         m = 0 if chain is None else chain.numel()
         n = 0 if nodes is None else nodes.numel()
         book = self.book
+        if m and book.slots:
+            raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
+        if not base <= book.length <= base + m:  # checked before either cache moves
+            raise RuntimeError(f"the adapter holds {book.length} committed entries, the early exit {base} and "
+                               f"{m} more in this chain: feed both the same committed tokens")
+        early = self.early.forward(tree, nodes, chain, need_logits=False, need_hidden=True)["hidden"]  # [m + n, H]
         if m:  # the chain's positions the adapter does not hold yet (the target's features gave the others)
-            if book.slots:
-                raise RuntimeError("a committed chain cannot follow uncommitted tree nodes")
             skip = book.length - base
-            if skip < 0:
-                raise RuntimeError(f"the adapter holds {book.length} entries, the chain starts at {base}")
             if skip < m:
                 self._append(early[skip:m].float(), torch.arange(base + skip, base + m, device=self.device))
                 book.length = base + m
@@ -300,9 +304,6 @@ class KangarooRunner(HoldsCacheBook):
             return result
         used = book.length + len(book.slots)
         _, _, _, q_pos = book.inputs(tree, nodes, None, self.device)
-        if book.root_position != self.early.root_position:
-            raise RuntimeError(f"the adapter's tree starts at position {book.root_position}, the early exit's at "
-                               f"{self.early.root_position}: feed both the same committed tokens")
         x, q = self._append(early[m:].float(), q_pos)  # [1, n, H], [1, heads, n, hd]
         total = used + n
         visible = book.visible_keys(nodes, 0, n, book.length, total, self.device)  # [n, total]
