@@ -24,9 +24,9 @@ import torch
 from ..drafting.kangaroo import KangarooAdapter, final_norm_gain, new_adapter
 from ..files import atomic_write_json
 from .corpus import load_manifest, read_shard
-from .inputs import DistillInputError, require_number, require_type
+from .inputs import DistillInputError
 from .losses import subset_distill_losses
-from .loop import LoopConfig, open_run, run_loop
+from .loop import LoopConfig, check_subset_run, open_run, run_loop
 
 CKPT_NAME = "kangaroo-ckpt.pt"  # one checkpoint, rewritten in place
 
@@ -150,14 +150,8 @@ def train_adapter(target, corpora: list[str | Path], run_dir: str | Path, vocab_
     _corpus_dirs(target, corpora, cfg)  # built with this target, or refused in one line
     run_dir, ckpt_path, ckpt = open_run(run_dir, CKPT_NAME)
     if ckpt is not None:
-        if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("vocab_ids"), torch.Tensor):
-            raise DistillInputError(f"checkpoint {ckpt_path}: not a Kangaroo adapter checkpoint")
-        require_type(ckpt, "history", list, f"checkpoint {ckpt_path}")
-        require_number(ckpt, "seconds", f"checkpoint {ckpt_path}")
-        free = ("time_limit_s", "max_shards")  # the shards read are checked by name below
-        before = {k: v for k, v in ckpt["config"].items() if k not in free}
-        if before != {k: v for k, v in asdict(cfg).items() if k not in free}:
-            raise DistillInputError(f"{run_dir} holds a run with another configuration; use another run directory")
+        check_subset_run(ckpt, ckpt_path, "Kangaroo adapter", asdict(cfg),
+                         free=("time_limit_s", "max_shards"))  # the shards read are checked by name below
         vocab_ids = ckpt["vocab_ids"]
     adapter = new_adapter(target, vocab_ids, cfg.exit_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                           seed=cfg.seed)

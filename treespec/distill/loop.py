@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..files import atomic_write, remove_stale_temporaries
-from .inputs import DistillInputError, first_line, load_checkpoint
+from .inputs import DistillInputError, first_line, load_checkpoint, require_number, require_type
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,20 @@ def open_run(run_dir: str | Path, name: str) -> tuple[Path, Path | None, dict | 
     remove_stale_temporaries(run_dir)
     path = latest_checkpoint(run_dir, name)
     return run_dir, path, (load_checkpoint(path) if path is not None else None)
+
+
+def check_subset_run(ckpt: dict, path: Path, what: str, config: dict, free: tuple[str, ...] = ("time_limit_s",)
+                     ) -> None:
+    """A checkpoint of a trainer of subset heads (Medusa, Kangaroo) checked before resuming: its ``config``,
+    ``vocab_ids``, ``history`` and ``seconds`` entries, and a configuration equal to ``config`` (the new run's, as a
+    dict) outside the ``free`` fields; a :class:`.inputs.DistillInputError` naming the problem otherwise."""
+    if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("vocab_ids"), torch.Tensor):
+        raise DistillInputError(f"checkpoint {path}: not a {what} checkpoint")
+    require_type(ckpt, "history", list, f"checkpoint {path}")
+    require_number(ckpt, "seconds", f"checkpoint {path}")
+    if {k: v for k, v in ckpt["config"].items() if k not in free} != {k: v for k, v in config.items() if k not in free}:
+        raise DistillInputError(f"{Path(path).parent} holds a run with another configuration; use another run "
+                                "directory")
 
 
 def resume_state(state: dict, model: torch.nn.Module, opt: torch.optim.Optimizer, keys: tuple[str, str],

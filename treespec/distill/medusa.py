@@ -23,8 +23,8 @@ import torch
 from ..drafting.medusa import MedusaHeads, new_medusa_heads
 from ..files import atomic_write_json
 from .corpus import read_shard
-from .inputs import DistillInputError, require_number, require_type
-from .loop import LoopConfig, open_run, run_loop
+from .inputs import DistillInputError
+from .loop import LoopConfig, check_subset_run, open_run, run_loop
 
 CKPT_NAME = "medusa-ckpt.pt"  # one checkpoint, rewritten in place
 
@@ -131,13 +131,7 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
 
     run_dir, ckpt_path, ckpt = open_run(run_dir, CKPT_NAME)
     if ckpt is not None:
-        if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("vocab_ids"), torch.Tensor):
-            raise DistillInputError(f"checkpoint {ckpt_path}: not a Medusa training checkpoint")
-        require_type(ckpt, "history", list, f"checkpoint {ckpt_path}")
-        require_number(ckpt, "seconds", f"checkpoint {ckpt_path}")
-        same = {k: v for k, v in ckpt["config"].items() if k != "time_limit_s"}
-        if same != {k: v for k, v in asdict(cfg).items() if k != "time_limit_s"}:
-            raise DistillInputError(f"{run_dir} holds a run with another configuration; use another run directory")
+        check_subset_run(ckpt, ckpt_path, "Medusa training", asdict(cfg))
         vocab_ids = ckpt["vocab_ids"]
     elif vocab_ids is None:
         vocab_ids = choose_vocab([Path(c) for c in corpora], cfg.vocab_size)

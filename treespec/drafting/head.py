@@ -104,6 +104,15 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def rotary_qkv(qkv: torch.Tensor, positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused q/k/v projection ``[B, T, 3 * heads * head_dim]`` at ``positions`` ``[B, T]`` -> q, k and v
+    ``[B, heads, T, head_dim]``, rotary applied to q and k (``cfg``: ``num_heads``, ``head_dim``, ``rope_theta``)."""
+    b, t, _ = qkv.shape
+    q, k, v = qkv.view(b, t, 3, cfg.num_heads, cfg.head_dim).permute(2, 0, 3, 1, 4)
+    pos = positions[:, None, :]  # [B, 1, T]
+    return _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta), v
+
+
 class HeadLayer(nn.Module):
     """Pre-norm decoder layer: rotary multi-head self-attention + SwiGLU MLP."""
 
@@ -120,11 +129,7 @@ class HeadLayer(nn.Module):
 
     def qkv_heads(self, x: torch.Tensor, positions: torch.Tensor):
         """``x`` ``[B, T, H]`` -> q, k, v ``[B, nh, T, hd]`` (rotary applied to q and k)."""
-        b, t, _ = x.shape
-        nh, hd = self.cfg.num_heads, self.cfg.head_dim
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, nh, hd).permute(2, 0, 3, 1, 4)
-        pos = positions[:, None, :]  # [B, 1, T]
-        return _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta), v
+        return rotary_qkv(self.qkv(self.attn_norm(x)), positions, self.cfg)
 
     def finish(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = att.shape

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..models.runner import CacheBook, DraftObservation, HoldsCacheBook
 from ..tree import TokenTree
-from .head import RMSNorm, _rope
+from .head import RMSNorm, rotary_qkv
 from .subset_head import SubsetHead
 
 
@@ -113,11 +113,7 @@ class KangarooAdapter(SubsetHead):
     def qkv_heads(self, x: torch.Tensor, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[B, T, H]`` at ``positions`` ``[B, T]`` -> rotated q, k and v ``[B, heads, T, head_dim]``."""
-        b, t, _ = x.shape
-        nh, hd = self.cfg.num_heads, self.cfg.head_dim
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, nh, hd).permute(2, 0, 3, 1, 4)
-        pos = positions[:, None, :]  # [B, 1, T]
-        return _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta), v
+        return rotary_qkv(self.qkv(self.attn_norm(x)), positions, self.cfg)
 
     def finish(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """The feature the logits read ``[B, T, H]``, from the block's input ``x`` and the attention ``att``
