@@ -8,11 +8,13 @@
 #   continuations of train prompts, storing the residual stream after decoder layers 1, 8 and 14): the adapter
 #   after EXIT=2 layers reads layer 1. Built by that recipe's corpus stage, shared with it.
 # Stage train: python -m treespec.distill kangaroo on every finished shard of both corpora; checkpoints in the cache.
-# Stage export: the adapter as a treespec file (OUT, fp16): treespec generate --draft OUT.
+# Stage export: the run's newest checkpoint as a treespec file (OUT, fp16), training nothing (a run stopped by its
+#   time limit is exported as it stands; its summary says steps < of): treespec generate --draft OUT.
 #
 # Only ../shared/data/train prompts are used (rows 11000: of the seeded order stay held out).
 # STAGE=corpus|train|export|all (default all), MINUTES per stage (default 30), THREADS (default 2), EXIT (default 2),
-# STEPS (default 900), LR (default 0.001), WARMUP (default 50), RUN (default kangaroo-adapter),
+# STEPS (default 900), LR (default 0.001), WARMUP (default 50), PIN (shards per corpus, default 5,5: the
+# corpora the first run read), RUN (default kangaroo-adapter),
 # OUT (default .cache/kangaroo-adapter.safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +27,7 @@ EXIT="${EXIT:-2}"
 STEPS="${STEPS:-900}"
 LR="${LR:-0.001}"
 WARMUP="${WARMUP:-50}"
+PIN="${PIN:-5,5}"
 RUN="${RUN:-kangaroo-adapter}"
 OUT="${OUT:-.cache/kangaroo-adapter.safetensors}"
 if [ "$STAGE" = corpus ] || [ "$STAGE" = all ]; then
@@ -33,9 +36,10 @@ fi
 corpora="$CACHE/corpus/e3-v2-greedy-f1-8-14,$CACHE/corpus/e3-v4-sample-f1-8-14"
 if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
     "$PY" -m treespec.distill kangaroo --corpus "$corpora" --run "$RUN" --exit-layers "$EXIT" --steps "$STEPS" \
-        --lr "$LR" --warmup "$WARMUP" --threads "$THREADS" --time-limit "$MINUTES" --no-progress
+        --lr "$LR" --warmup "$WARMUP" --max-shards "$PIN" --threads "$THREADS" --time-limit "$MINUTES" --no-progress
 fi
 if [ "$STAGE" = export ] || [ "$STAGE" = all ]; then
     "$PY" -m treespec.distill kangaroo --corpus "$corpora" --run "$RUN" --exit-layers "$EXIT" --steps "$STEPS" \
-        --lr "$LR" --warmup "$WARMUP" --threads "$THREADS" --time-limit "$MINUTES" --export "$OUT" --no-progress
+        --lr "$LR" --warmup "$WARMUP" --max-shards "$PIN" --threads "$THREADS" --no-train --export "$OUT" \
+        --no-progress
 fi

@@ -194,10 +194,13 @@ def _layers_head(draft: str) -> str | None:
     """What the head file ``draft`` (``lookup+`` allowed) is when it reads more of the target than its last hidden
     state, which is all llama.cpp returns: a Kangaroo adapter (the target's early layers and KV cache) or an EAGLE-3
     head (three earlier layers); None otherwise (no such file, or an EAGLE head)."""
+    from .drafting.head_files import head_class_of, is_speculators_checkpoint
+
     path = draft.removeprefix("lookup+")
+    if is_speculators_checkpoint(path):
+        return "an EAGLE-3 checkpoint"
     if not path.endswith(".safetensors") or not os.path.isfile(path):
         return None
-    from .drafting.head_files import head_class_of
 
     return {"KangarooAdapter": "a Kangaroo adapter", "Eagle3Head": "an EAGLE-3 head"}.get(
         head_class_of(path).__name__)

@@ -310,6 +310,13 @@ def test_training_improves_agreement_and_resumes(target, layer_corpus, tmp_path)
     with pytest.raises(DistillInputError, match="another configuration"):
         train_adapter(target, [layer_corpus], tmp_path / "run", vocab,
                       AdapterTrainConfig(**{**CFG.__dict__, "lr": 1e-3}), progress=False)
+    with pytest.raises(DistillInputError, match="trained on other corpus shards"):  # the first shard only
+        train_adapter(target, [layer_corpus], tmp_path / "run", vocab,
+                      AdapterTrainConfig(**{**CFG.__dict__, "max_shards": (1,)}), progress=False)
+    assert AdapterTrainConfig(max_shards=(5,)).max_shards == 5 and AdapterTrainConfig(max_shards=[2, 3]).max_shards \
+        == (2, 3)
+    with pytest.raises(DistillInputError, match="max-shards must be counts >= 1"):
+        AdapterTrainConfig(max_shards=(0,))
     with pytest.raises(DistillInputError, match="reads target layer 2"):
         train_adapter(target, [layer_corpus], tmp_path / "run3", vocab,
                       AdapterTrainConfig(**{**CFG.__dict__, "exit_layers": 3}), progress=False)
@@ -359,3 +366,10 @@ def test_cli_trains_evaluates_and_drafts(tmp_path, capsys, monkeypatch):
     code = cli_main(["generate", "w1 w2", "--target", "embedded-gguf", "--draft", str(adapter)])
     err = capsys.readouterr().err
     assert code == 2 and "is a Kangaroo adapter, which reads the target's earlier layers" in err
+    from treespec.cli import build_parser, resolve_target
+
+    args = build_parser().parse_args(["generate", "x", "--target", "auto", "--draft", str(adapter)])
+    assert resolve_target(args, torch.float32)[0] == "embedded"  # never llama.cpp, whatever is installed
+    code, out, err = run_cli(["kangaroo", *common, "--corpus", tmp_path / "c", "--run-dir", tmp_path / "none",
+                              "--exit-layers", 1, "--no-train", "--export", tmp_path / "x.safetensors"], capsys)
+    assert code == 2 and "holds no Kangaroo adapter run to export" in err.strip().splitlines()[-1]

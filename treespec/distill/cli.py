@@ -161,6 +161,8 @@ def _add_kangaroo(sub) -> None:
                    help="take the vocabulary subset of this head file (default: the shipped EAGLE head's)")
     k.add_argument("--export", default=None, help="write the trained adapter here (.safetensors, fp16)")
     k.add_argument("--device", default=None, help="where to train (default: the CPU)")
+    k.add_argument("--no-train", action="store_true",
+                   help="train nothing: write the run's newest checkpoint with --export (an unfinished run's too)")
     k.add_argument("--time-limit", type=float, default=None, help="minutes")
     from .kangaroo import AdapterTrainConfig
 
@@ -451,6 +453,14 @@ def _kangaroo(args) -> None:
 
         vocab = EagleHead.load(DEFAULT_HEAD).vocab_ids
     cfg, model, run_dir, corpora = _training_setup(args, AdapterTrainConfig, load_model)
+    if args.no_train:
+        from dataclasses import replace
+
+        from .kangaroo import CKPT_NAME
+
+        if not (run_dir / CKPT_NAME).is_file():
+            raise DistillInputError(f"--no-train: {run_dir} holds no Kangaroo adapter run to export")
+        cfg = replace(cfg, time_limit_s=0.0)
     if args.device:
         model = model.to(args.device)
     if vocab is None:  # another target: its corpora's most frequent tokens, as many as the shipped head scores

@@ -56,6 +56,13 @@ class AdapterTrainConfig:
                 raise DistillInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or self.w_hard < 0 or not 0 <= self.floor <= 1:
             raise DistillInputError("need lr > 0, w-hard >= 0 and 0 <= floor <= 1")
+        shards = self.max_shards
+        if isinstance(shards, (list, tuple)):  # the CLI gives a tuple: one count for every corpus, or one each
+            shards = tuple(int(x) for x in shards)
+            shards = shards[0] if len(shards) == 1 else shards
+        if shards is not None and min(shards if isinstance(shards, tuple) else (shards,)) < 1:
+            raise DistillInputError(f"max-shards must be counts >= 1, got {self.max_shards}")
+        object.__setattr__(self, "max_shards", shards)
 
 
 class StatePool:

@@ -263,11 +263,11 @@ class KangarooRunner(HoldsCacheBook):
 
             self.early.observe(DraftState(list(state.tokens), state.max_depth, None, None))
             return
-        self.early.observe(state)
         width = 2 * self.adapter.cfg.hidden_size
-        if rows and hid.shape[-1] != width:
+        if rows and hid.shape[-1] != width:  # checked before either cache moves
             raise ValueError(f"DraftState.target_hidden: the adapter reads target features of width {width} (layer "
                              f"{self.adapter.cfg.feature_layer} + the last hidden state), got {hid.shape[-1]}")
+        self.early.observe(state)
         new = hid[have - (committed - rows):] if rows else None  # [k, 2H] the positions not held yet
         if new is not None and new.shape[0]:
             with torch.no_grad():
