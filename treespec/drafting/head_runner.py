@@ -108,6 +108,29 @@ class DraftHead(Protocol):
                ) -> list[torch.Tensor]: ...
 
 
+def reserve_kv(kv: torch.Tensor, total: int) -> torch.Tensor:
+    """A one-layer KV cache ``[2, heads, capacity, head_dim]`` with room for ``total`` entries: ``kv`` itself, or a
+    copy whose capacity doubles (at least 64), so that a growing sequence allocates rarely."""
+    if total <= kv.shape[2]:
+        return kv
+    grown = kv.new_zeros(2, kv.shape[1], max(total, 2 * kv.shape[2], 64), kv.shape[3])
+    grown[:, :, : kv.shape[2]] = kv
+    return grown
+
+
+def subset_logits(head, feature: torch.Tensor, need_logits: bool | str, vocab_size: int) -> dict[str, torch.Tensor]:
+    """What a head's runner returns for ``feature`` ``[n, H]``: with ``need_logits="subset"`` the logits on the
+    head's subset ``[n, |S|]`` and ``vocab_ids``; with another truthy value the logits over the whole vocabulary
+    ``[n, V]`` (-inf outside the subset: q = 0 there); nothing otherwise."""
+    if need_logits == "subset":
+        return {"logits": head.logits(feature), "vocab_ids": head.vocab_ids}
+    if not need_logits:
+        return {}
+    logits = torch.full((feature.shape[0], vocab_size), float("-inf"), device=feature.device)
+    logits[:, head.vocab_ids] = head.logits(feature)
+    return {"logits": logits}
+
+
 class HeadRunner(HoldsCacheBook):
     """Runner interface (``reset``, ``forward``, ``commit``, ``length``) over an attached head.
 
@@ -156,10 +179,7 @@ class HeadRunner(HoldsCacheBook):
 
     def _reserve(self, total: int) -> None:
         """Room for ``total`` cache entries (capacity doubles: no per-step allocation)."""
-        if total > self._kv.shape[2]:
-            grown = self._kv.new_zeros(2, self._kv.shape[1], max(total, 2 * self._kv.shape[2], 64), self._kv.shape[3])
-            grown[:, :, : self._kv.shape[2]] = self._kv
-            self._kv = grown
+        self._kv = reserve_kv(self._kv, total)
 
     def observe(self, state: DraftObservation) -> None:
         """Take the target's hidden states of the newly committed positions (start of a proposal).
@@ -265,13 +285,7 @@ class HeadRunner(HoldsCacheBook):
             self._features[nodes.to(device)] = (pre if head.FEEDS_PRE_NORM else node_out).float()  # children read it
             self._fed.update(node_list)
             self._slot_nodes = torch.cat([self._slot_nodes.to(nodes.device), nodes])  # the same nodes, a tensor
-            if need_logits == "subset":
-                result["logits"] = head.logits(node_out)  # [n, |S|]
-                result["vocab_ids"] = head.vocab_ids
-            elif need_logits:
-                logits = torch.full((n, self.vocab_size), float("-inf"), device=device)
-                logits[:, head.vocab_ids] = head.logits(node_out)
-                result["logits"] = logits
+            result.update(subset_logits(head, node_out, need_logits, self.vocab_size))
             if need_hidden:
                 result["hidden"] = node_out
         return result

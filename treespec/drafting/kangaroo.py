@@ -43,6 +43,7 @@ from torch import nn
 from ..models.runner import CacheBook, DraftObservation, HoldsCacheBook
 from ..tree import TokenTree
 from .head import RMSNorm, rotary_qkv
+from .head_runner import reserve_kv, subset_logits
 from .subset_head import SubsetHead
 
 
@@ -230,20 +231,13 @@ class KangarooRunner(HoldsCacheBook):
         """Committed tokens both caches cover."""
         return min(self.book.length, self.early.length)
 
-    def _reserve(self, total: int) -> None:
-        """Room for ``total`` adapter entries (capacity doubles: no per-step allocation)."""
-        if total > self._kv.shape[2]:
-            grown = self._kv.new_zeros(2, self._kv.shape[1], max(total, 2 * self._kv.shape[2], 64), self._kv.shape[3])
-            grown[:, :, : self._kv.shape[2]] = self._kv
-            self._kv = grown
-
     def _append(self, states: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the keys and values of ``states`` ``[k, H]`` at ``positions`` ``[k]`` after the cached entries;
         returns the block's input ``[1, k, H]`` and its queries ``[1, heads, k, hd]``."""
         x = states.to(self.adapter.attn_norm.weight.dtype)[None]  # [1, k, H]
         q, k, v = self.adapter.qkv_heads(x, positions[None])
         used = self.book.length + len(self.book.slots)
-        self._reserve(used + states.shape[0])
+        self._kv = reserve_kv(self._kv, used + states.shape[0])
         self._kv[0, :, used:used + states.shape[0]] = k[0].float()
         self._kv[1, :, used:used + states.shape[0]] = v[0].float()
         return x, q
@@ -307,13 +301,7 @@ class KangarooRunner(HoldsCacheBook):
                                              attn_mask=visible[None, None])  # [1, heads, n, hd]
         out = self.adapter.finish(x, att.to(x.dtype))[0]  # [n, H]
         book.finish(book.length, 0, nodes.tolist())
-        if need_logits == "subset":
-            result["logits"] = self.adapter.logits(out)  # [n, |S|]
-            result["vocab_ids"] = self.adapter.vocab_ids
-        elif need_logits:
-            logits = torch.full((n, self.vocab_size), float("-inf"), device=self.device)
-            logits[:, self.adapter.vocab_ids] = self.adapter.logits(out)
-            result["logits"] = logits
+        result.update(subset_logits(self.adapter, out, need_logits, self.vocab_size))
         if need_hidden:
             result["hidden"] = out.float()
         return result
