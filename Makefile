@@ -8,8 +8,8 @@ BIN := $(VENV)/bin
 PROMPT ?= The quick brown fox jumps over the lazy dog. The quick brown fox
 ARGS ?= --max-new-tokens 128
 # the demo shows treespec's own draft: n-gram lookup where the text repeats, the shipped head elsewhere
-# (`--draft auto`, the CLI's default, is the same at T=0 in bf16 and the shipped head at T>0; in float32 n-gram
-# lookup at T=0 and plain decoding at T>0; see the README)
+# (`--draft auto`, the CLI's default, is the same at T=0 in bf16; `--target auto`, the default, decodes on llama.cpp
+# where that was measured faster and llama-cpp-python is installed; see the README)
 DRAFT ?= lookup+head
 
 .PHONY: setup setup-peers demo test test-fast bench clean

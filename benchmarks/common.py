@@ -192,7 +192,12 @@ def _repo_relative(path: str, repo: Path = REPO) -> str:
 def command() -> dict:
     return {"argv": list(sys.argv), "shell": " ".join(shlex.quote(a) for a in sys.argv),
             "python": _repo_relative(sys.executable), "cwd": _repo_relative(os.getcwd()),
-            "env": {k: os.environ[k] for k in SPEED_ENV if k in os.environ}}
+            "env": {k: _env_value(os.environ[k]) for k in SPEED_ENV if k in os.environ}}
+
+
+def _env_value(value: str) -> str:
+    """An environment value as recorded: an absolute path (``TREESPEC_CACHE``, say) relative to the repository."""
+    return _repo_relative(value) if os.path.isabs(value) else value
 
 
 def provenance(repo: Path = REPO, state: dict | None = None) -> dict:

@@ -141,8 +141,9 @@ def describe(row: Row, runner: str = "auto", runner_kind: str = "", lookup_token
     if row.target == "llama":
         how = "plain" if row.draft is None else f"LlamaPromptLookupDecoding(num_pred_tokens={lookup_tokens})"
         return f"llama-cpp-python {how} on {gguf}"
-    where = {"ts": f"--runner {runner}" + (f" ({runner_kind})" if runner_kind else ""), "ts_eager": "--runner eager",
-             "ts_int4": "--quantize int4", "ts_gguf": "--target embedded-gguf"}[row.target]
+    where = {"ts": f"--target embedded --runner {runner}" + (f" ({runner_kind})" if runner_kind else ""),
+             "ts_eager": "--target embedded --runner eager", "ts_int4": "--target embedded --quantize int4",
+             "ts_gguf": "--target embedded-gguf"}[row.target]
     if row.drafter is not None:
         custom = CUSTOM_DRAFTERS[row.drafter]
         settings = ", ".join([custom.over] * bool(custom.over) + [f"{k}={_value(v)}" for k, v in row.settings])

@@ -124,13 +124,17 @@ def top_p_note(settings: dict) -> str:
 
 
 def cli_default_method(dtype: str, temperature: float) -> str:
-    """The row that is ``treespec generate --draft auto`` on the embedded target at ``dtype`` and
-    ``temperature``, read from the registry's measured table (so a change of default changes the paired column)."""
-    from treespec.drafters import default_draft
+    """The row that ``treespec generate`` runs with every choice left to ``auto`` (``--target``, ``--draft``) on a
+    CPU where ``--dtype auto`` gives ``dtype``, at ``temperature``, with llama-cpp-python installed: read from the
+    measured tables :data:`~treespec.drafters.DEFAULT_TARGETS` and :data:`~treespec.drafters.DEFAULT_DRAFTS` (so a
+    change of default changes the paired column)."""
+    from treespec.drafters import default_draft, default_target
 
-    rows = {"ngram": "ts_ngram", "head": "ts_head", "lookup+head": "ts_lookup_head", "none": "ts_plain"}
-    draft = default_draft("embedded", getattr(torch, dtype), temperature)
-    return rows.get(draft, draft)
+    target = default_target(getattr(torch, dtype), temperature).target
+    draft = default_draft(target, getattr(torch, dtype), temperature)
+    rows = {"ngram": "ngram", "head": "head", "lookup+head": "lookup_head", "none": "plain"}
+    prefix = "tsl_" if target != "embedded" else "ts_"
+    return prefix + rows.get(draft, draft)
 
 
 def cli_default_rows() -> str:
@@ -154,7 +158,8 @@ def markdown(summary: dict, meta: dict) -> str:
              f"warm-up prompt ({st['warmup_tokens']} tokens) per dtype, not measured.",
              "- Speedup = the named baseline's time / the method's time on the same prompt (summed over repeats); "
              "median over prompts and a percentile-bootstrap 95% interval (2,000 resamples, seeded).",
-             f"- `treespec generate` default (`--draft auto`, embedded target): {cli_default_rows()}. llama.cpp runs "
+             f"- `treespec generate` default (`--target auto --draft auto`, llama-cpp-python installed), by the dtype "
+             f"`--dtype auto` gives: {cli_default_rows()}. llama.cpp runs "
              "the Q4_K_M GGUF itself (treespec and HF run its de-quantised weights), so its greedy output is "
              "compared with llama.cpp plain only.",
              ]

@@ -92,34 +92,42 @@ class CliInputError(ValueError):
     """A command-line value the CLI refuses before loading anything."""
 
 
-#: where --target auto chose the llama.cpp engine: the paired run that measured it (a CPU without native bf16)
-AUTO_TARGET_EVIDENCE = "benchmarks/results/speed/2026-11-27-2a998ca-epyc-avx2-llama-target"
-
-
 def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -> tuple[str, str | None]:
-    """``--target`` with ``auto`` resolved, and why (None unless auto chose): the embedded Gemma-3-270M on the
-    engine measured fastest for the run. Where the CPU computes no bf16 natively (``--dtype auto`` gives float32)
-    llama.cpp's Q4_K_M decoding ran several times faster than the PyTorch target in float32
-    (:data:`AUTO_TARGET_EVIDENCE`), so ``auto`` is ``embedded-gguf`` there when llama-cpp-python is installed and
-    nothing asks for PyTorch (``--dtype``, ``--exact``, ``--quantize``, ``--runner``, a draft model); elsewhere
-    ``embedded`` (PyTorch, where bf16 trees were measured fastest at T=0)."""
-    import torch
+    """``--target`` with ``auto`` (the default) resolved, and why (None unless auto chose): the embedded
+    Gemma-3-270M on the engine measured fastest for the run's dtype and temperature,
+    :data:`~treespec.drafters.DEFAULT_TARGETS`: PyTorch at T=0 where the CPU computes bf16 natively, llama.cpp at
+    T > 0 there and at every temperature where it does not. ``auto`` stays on PyTorch where llama-cpp-python is not
+    installed, where the run is on a GPU, and where the command asks for PyTorch (``--dtype``, ``--exact``,
+    ``--quantize``, ``--runner``, ``--draft-quantize``, a draft model or a head that reads earlier layers)."""
+    from .drafters import DEFAULT_TARGETS, default_target
 
     if args.target != "auto":
         return args.target, None
     if dtype is None:
         dtype = resolve_cli_dtype(args)
+    regime = "at T=0" if args.temperature <= 0 else "at T > 0"
+    if resolve_cli_device(args).type != "cpu":
+        return "embedded", f"--target auto: the PyTorch target (a {resolve_cli_device(args).type} device)"
+    if (dtype_word := str(dtype).removeprefix("torch.")) not in {key[0] for key in DEFAULT_TARGETS}:
+        return "embedded", None
+    chosen = default_target(dtype, args.temperature)
+    why = f"measured fastest for {dtype_word} {regime} on this kind of CPU: {chosen.evidence}"
+    if chosen.target == "embedded":
+        return "embedded", f"--target auto: the PyTorch target ({why})"
     gguf_draft = (args.draft in DRAFT_WORDS or args.draft.endswith(".safetensors")) \
         and _layers_head(args.draft) is None  # lookup+H.safetensors included
-    pytorch_asked = (args.dtype != "auto" or args.exact or args.quantize != "none" or args.runner != "auto"
-                     or args.draft_quantize not in ("auto", "none") or not gguf_draft)
-    if dtype == torch.float32 and not pytorch_asked:
-        from .models.llama_cpp import llama_cpp_available
+    asked = [flag for flag, used in (
+        ("--dtype", args.dtype != "auto"), ("--exact", args.exact), ("--quantize", args.quantize != "none"),
+        ("--runner", args.runner != "auto"), ("--draft-quantize", args.draft_quantize not in ("auto", "none")),
+        (f"--draft {args.draft}", not gguf_draft)) if used]
+    if asked:
+        return "embedded", f"--target auto: the PyTorch target ({asked[0]} asks for it)"
+    from .models.llama_cpp import llama_cpp_available
 
-        if llama_cpp_available() is None:
-            return EMBEDDED_GGUF, (f"--target auto: llama.cpp (this CPU computes no bf16 natively; measured faster "
-                                   f"than the PyTorch target in float32: {AUTO_TARGET_EVIDENCE})")
-    return "embedded", None
+    if (missing := llama_cpp_available()) is not None:
+        return "embedded", (f"--target auto: the PyTorch target; llama.cpp would be faster here ({why}) but "
+                            f"{missing})")
+    return EMBEDDED_GGUF, f"--target auto: llama.cpp on the embedded model's Q4_K_M GGUF ({why})"
 
 
 def _leaf_logits(args: argparse.Namespace) -> bool:
@@ -373,12 +381,13 @@ def _model_arguments(g: argparse.ArgumentParser) -> None:
                    help="wrap the prompt as a user turn in the tokenizer's chat template, with the assistant's "
                         "generation prompt (instruction-tuned models; refused for a tokenizer without a template, "
                         "as the embedded Gemma-3-270M's)")
-    g.add_argument("--target", default="embedded",
-                   help="target model: 'embedded' (default: Gemma-3-270M in PyTorch, de-quantised), 'embedded-gguf' "
-                        "(its Q4_K_M GGUF in llama.cpp), a .gguf file (llama.cpp; pip install llama-cpp-python), a "
-                        "Hugging Face path/id, or 'auto': the embedded model on the engine measured fastest for this "
-                        "CPU (llama.cpp where the CPU computes no bf16 natively and llama-cpp-python is installed, "
-                        "else PyTorch)")
+    g.add_argument("--target", default="auto",
+                   help="target model: 'auto' (default: the embedded Gemma-3-270M on the engine measured fastest "
+                        "for this CPU and temperature: PyTorch at T=0 where the CPU computes bf16 natively, llama.cpp "
+                        "at T>0 there and at every temperature where it does not, when llama-cpp-python is "
+                        "installed; the run names its choice), 'embedded' (Gemma-3-270M in PyTorch, de-quantised), "
+                        "'embedded-gguf' (its Q4_K_M GGUF in llama.cpp), a .gguf file (llama.cpp; pip install "
+                        "llama-cpp-python) or a Hugging Face path/id")
 
 
 def _draft_arguments(g: argparse.ArgumentParser) -> None:
@@ -782,9 +791,7 @@ def _run_info(args, drafter, runner, dtype) -> dict:
 
 def _print_closing(args, summary: dict, info: dict, plain: bool, dtype, seed: int) -> None:
     """The closing line on stderr (tokens, target passes, tau, the drafter in words, the guarantee), and a
-    hint where ``auto`` chose float32 or plain decoding."""
-    import torch
-
+    hint where ``auto`` chose plain decoding."""
     weights = "" if args.quantize == "none" else f", {args.quantize} weights"
     if "draft_weights" in info:
         weights += f", {info['draft_weights']} draft head"
@@ -797,14 +804,9 @@ def _print_closing(args, summary: dict, info: dict, plain: bool, dtype, seed: in
           f"{summary['wall_s']:.2f} s ({summary['tokens_per_s']:.1f} tokens/s), {dtype_word} target{weights}, "
           f"{info['runner']} runner{sampled}; "
           f"{_guarantee(dtype, args.temperature, plain, info['runner'])}", file=sys.stderr)
-    if info["runner"] != "llama.cpp" and args.target == "embedded" and args.dtype == "auto" \
-            and dtype == torch.float32 and not args.exact:
-        print(f"(this CPU computes no bf16 natively, so the PyTorch target runs float32; the same model decoded "
-              f"several times faster in llama.cpp on such a CPU: --target auto or embedded-gguf, with "
-              f"llama-cpp-python installed; {AUTO_TARGET_EVIDENCE})", file=sys.stderr)
     if plain and not args.plain and args.draft == "auto" and info["runner"] == "llama.cpp":
-        print("(--draft auto decodes plainly on a GGUF target in float32: every drafter measured slower than plain "
-              "decoding there; name a --draft to speculate anyway)", file=sys.stderr)
+        print("(--draft auto decodes plainly on a GGUF target: no drafter measured faster than llama.cpp's plain "
+              "decoding on this kind of CPU; name a --draft to speculate anyway)", file=sys.stderr)
     elif plain and not args.plain and args.draft == "auto":
         print("(--draft auto decodes plainly at T>0 in float32: every drafter measured slower there; "
               "--dtype bfloat16 where the CPU computes it natively, or name a --draft)", file=sys.stderr)

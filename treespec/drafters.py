@@ -89,6 +89,12 @@ DEFAULT_DRAFTS: dict[tuple[str, str, str], DefaultDraft] = {
     # native-bf16 CPUs, where n-gram lookup stays the default
     ("gguf", "float32", "greedy"): DefaultDraft("none", _SPEED + "2026-11-27-2a998ca-epyc-avx2-llama-target"),
     ("gguf", "float32", "sampled"): DefaultDraft("none", _SPEED + "2026-11-27-2a998ca-epyc-avx2-llama-target"),
+    # GGUF targets on a native-bf16 CPU (AMD EPYC Zen 4, 24 train prompts, paired with plain decoding on llama.cpp):
+    # at T=0 n-gram lookup tied (1.015x, faster on 12, slower on 12) and its greedy output left llama.cpp's own
+    # plain decoding on most prompts (llama.cpp's batched passes round differently), the heads lost (0.95x,
+    # 0.93x); at T=1 every drafter lost (n-gram lookup 0.82x, 1 of 24 faster; the head 0.73x)
+    ("gguf", "bfloat16", "greedy"): DefaultDraft("none", _TUNING + "2026-11-28-a810d1f-zen4-gguf-t0-t1"),
+    ("gguf", "bfloat16", "sampled"): DefaultDraft("none", _TUNING + "2026-11-28-a810d1f-zen4-gguf-t0-t1"),
 }
 
 
@@ -122,6 +128,38 @@ def default_leaf_logits(target: str, draft: str) -> bool:
 
 #: the ``--target`` word for the embedded Gemma-3-270M's own Q4_K_M GGUF, run by llama.cpp
 EMBEDDED_GGUF = "embedded-gguf"
+
+
+@dataclass(frozen=True)
+class DefaultTarget:
+    """One entry of :data:`DEFAULT_TARGETS`: the ``--target`` word ``auto`` stands for and the results folder
+    that chose it."""
+
+    target: str
+    evidence: str
+
+
+_ZEN4_T0_T1 = _TUNING + "2026-11-28-a810d1f-zen4-gguf-t0-t1"
+#: ``--target auto`` (the CLI's default) by (the dtype ``--dtype auto`` gives on this CPU, temperature regime): the
+#: engine on which the embedded Gemma-3-270M, with ``--draft auto`` there, decoded fastest in a paired run. Used
+#: where llama-cpp-python is installed and nothing asks for PyTorch (``treespec.cli.resolve_target``).
+DEFAULT_TARGETS: dict[tuple[str, str], DefaultTarget] = {
+    # native bf16 (AMD EPYC Zen 4, 24 train prompts x 64 tokens, paired): at T=0 plain decoding on llama.cpp ran
+    # 0.78x the PyTorch target's lookup+head (slower on 18 of 24, sign test p = 0.023), n-gram lookup there 0.81x
+    ("bfloat16", "greedy"): DefaultTarget("embedded", _ZEN4_T0_T1),
+    # same run at T=1: plain decoding on llama.cpp 1.35x the PyTorch target's head (faster on 23 of 24, p = 3e-6);
+    # at T=0.7 with top-p 0.95 (tuning/2026-11-28-a810d1f-zen4-gguf-t07-topp095) 1.24x (faster on 17 of 24)
+    ("bfloat16", "sampled"): DefaultTarget(EMBEDDED_GGUF, _ZEN4_T0_T1),
+    # no native bf16 (AVX2-only AMD EPYC): llama.cpp's Q4_K_M decoding ran about 5x the PyTorch target in float32
+    ("float32", "greedy"): DefaultTarget(EMBEDDED_GGUF, _SPEED + "2026-11-27-2a998ca-epyc-avx2-llama-target"),
+    ("float32", "sampled"): DefaultTarget(EMBEDDED_GGUF, _SPEED + "2026-11-27-2a998ca-epyc-avx2-llama-target"),
+}
+
+
+def default_target(dtype: torch.dtype, temperature: float) -> DefaultTarget:
+    """What ``--target auto`` stands for where ``--dtype auto`` gives ``dtype`` at ``temperature``, when
+    llama.cpp is installed and nothing asks for PyTorch: an entry of :data:`DEFAULT_TARGETS`."""
+    return DEFAULT_TARGETS[(str(dtype).removeprefix("torch."), "greedy" if temperature <= 0 else "sampled")]
 
 
 def target_kind(target: str) -> str:

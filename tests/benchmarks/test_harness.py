@@ -567,11 +567,12 @@ def test_the_report_and_plot_carry_the_paired_table(tmp_path, monkeypatch):
 
 
 def test_the_paired_column_follows_the_cli_default():
-    """The rows of the CLI's measured defaults (treespec.cli._resolved_draft), pinned."""
+    """The rows of the CLI's measured defaults (treespec.cli.resolve_target and _resolved_draft), pinned: the
+    PyTorch target's lookup + head at T=0 on a native-bf16 CPU, plain decoding on llama.cpp elsewhere."""
     from benchmarks import report
 
-    want = {("bfloat16", 0.0): "ts_lookup_head", ("bfloat16", 0.7): "ts_head", ("bfloat16", 1.0): "ts_head",
-            ("float32", 0.0): "ts_ngram", ("float32", 0.7): "ts_plain", ("float32", 1.0): "ts_plain"}
+    want = {("bfloat16", 0.0): "ts_lookup_head", ("bfloat16", 0.7): "tsl_plain", ("bfloat16", 1.0): "tsl_plain",
+            ("float32", 0.0): "tsl_plain", ("float32", 0.7): "tsl_plain", ("float32", 1.0): "tsl_plain"}
     assert {k: report.cli_default_method(*k) for k in want} == want
 
 
@@ -680,3 +681,12 @@ def test_paths_outside_the_repository_are_recorded_relative_to_it(tmp_path):
     assert _repo_relative(str(tmp_path / "main" / ".venv" / "bin" / "python"), repo) == "../main/.venv/bin/python"
     assert _repo_relative(str(repo / "benchmarks"), repo) == "benchmarks"
     assert _repo_relative(str(repo), repo) == "."
+
+
+def test_path_values_of_the_environment_are_recorded_relative(monkeypatch):
+    from benchmarks import common
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(common.REPO.parent / "other" / ".cache" / "treespec"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    env = common.command()["env"]
+    assert env["TREESPEC_CACHE"] == "../other/.cache/treespec" and env["OMP_NUM_THREADS"] == "2"

@@ -30,8 +30,11 @@ def _lines(err: str) -> list[str]:
 def test_a_line_on_stderr_while_the_model_loads(capsys, tiny_dir, json_mode):  # noqa: F811
     """Loading printed nothing (the embedded model takes seconds to load); now one line names what loads, on
     stderr in every mode (stdout stays one JSON document with --json)."""
+    from treespec.models.loading import resolve_dtype
+
     out, err = _run(capsys, tiny_dir, "--plain", *(["--json"] if json_mode else []))
-    assert _lines(err)[0] == f"treespec: loading {tiny_dir} (PyTorch, float32)...", err
+    dtype = str(resolve_dtype("auto")).removeprefix("torch.")  # bfloat16 on a CPU that computes it natively
+    assert _lines(err)[0] == f"treespec: loading {tiny_dir} (PyTorch, {dtype})...", err
     if json_mode:
         json.loads(out)
 

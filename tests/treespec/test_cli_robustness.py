@@ -333,10 +333,15 @@ def test_draft_auto_is_the_best_measured_drafter_per_temperature_and_dtype():
     assert resolved("--dtype", "bfloat16", "--tree", "2,1") == "lookup+head"
     assert resolved("--dtype", "float32", "--tree", "8,4") == "head"
     assert resolved("--dtype", "float32", "--law", "iid") == "head"
-    args = build_parser().parse_args(["generate", "x", "--temperature", "1"])  # dtype auto: the run's own dtype wins
+    # dtype auto: the run's own dtype wins
+    args = build_parser().parse_args(["generate", "x", "--temperature", "1", "--target", "embedded"])
     assert _resolved_draft(args, torch.bfloat16) == "head" and _resolved_draft(args, torch.float32) == "none"
-    args = build_parser().parse_args(["generate", "x"])
+    args = build_parser().parse_args(["generate", "x", "--target", "embedded"])
     assert _resolved_draft(args, torch.bfloat16) == "lookup+head" and _resolved_draft(args, torch.float32) == "ngram"
+    for target in ("embedded-gguf", "m.gguf"):  # llama.cpp: plain decoding measured fastest on every CPU kind
+        for dtype, temperature in ((torch.bfloat16, "0"), (torch.bfloat16, "1"), (torch.float32, "0")):
+            args = build_parser().parse_args(["generate", "x", "--target", target, "--temperature", temperature])
+            assert _resolved_draft(args, dtype) == "none", (target, dtype, temperature)
 
 
 def test_default_drafts_are_data_with_their_evidence():
@@ -353,7 +358,7 @@ def test_default_drafts_are_data_with_their_evidence():
         assert entry.draft in ("ngram", "head", "lookup+head", "none"), key
     assert drafters.target_kind("embedded-gguf") == drafters.target_kind("x/m.GGUF") == "gguf"
     assert drafters.default_draft("embedded-gguf", torch.float32, 0.7) == "none"  # measured: plain is fastest
-    assert drafters.default_draft("x.gguf", torch.bfloat16, 0.0) == "ngram"  # not measured: n-gram lookup
+    assert drafters.default_draft("x.gguf", torch.bfloat16, 0.0) == "none"  # measured: n-gram lookup only tied
     assert drafters.default_draft("some/model", torch.float32, 0.0) == "ngram"
     args = build_parser().parse_args(["generate", "x", "--dtype", "bfloat16"])
     key = ("embedded", "bfloat16", "greedy")
@@ -367,26 +372,41 @@ def test_default_drafts_are_data_with_their_evidence():
 
 
 def test_target_auto_picks_the_engine_measured_fastest(monkeypatch):
-    """--target auto: llama.cpp where the run would be float32 by --dtype auto (a CPU without native bf16) and
-    llama-cpp-python imports, PyTorch whenever bf16 runs natively, an option asks for PyTorch, or llama.cpp is
-    missing; the evidence folder the choice cites exists."""
+    """--target auto, the default: llama.cpp where the run would be float32 by --dtype auto (a CPU without native
+    bf16) and, on a native-bf16 CPU, at T > 0 (T=0.7 with top-p too), PyTorch at T=0 there; PyTorch whenever an
+    option asks for it, the run is on a GPU or llama.cpp is missing (the reason then names what to install); the
+    evidence folder of every entry exists."""
     from pathlib import Path
 
+    import treespec.cli as cli
     import treespec.models.llama_cpp as llama_mod
-    from treespec.cli import AUTO_TARGET_EVIDENCE, build_parser, resolve_target
+    from treespec.cli import build_parser, resolve_target
+    from treespec.drafters import DEFAULT_TARGETS
 
     def target(*argv, dtype=torch.float32):
-        return resolve_target(build_parser().parse_args(["generate", "x", "--target", "auto", *argv]), dtype)[0]
+        return resolve_target(build_parser().parse_args(["generate", "x", *argv]), dtype)
 
     monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: None)
-    assert target() == "embedded-gguf" and target("--temperature", "1") == "embedded-gguf"
-    assert target(dtype=torch.bfloat16) == "embedded"
-    for asked in (["--dtype", "float32"], ["--exact"], ["--runner", "eager"], ["--draft", "early-exit:4"]):
-        assert target(*asked) == "embedded", asked
-    assert resolve_target(build_parser().parse_args(["generate", "x"]), torch.float32)[0] == "embedded"  # default
-    monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: "not installed")
-    assert target() == "embedded"
-    assert (Path(__file__).resolve().parents[2] / AUTO_TARGET_EVIDENCE).is_dir()
+    assert target()[0] == "embedded-gguf" and target("--temperature", "1")[0] == "embedded-gguf"
+    assert target(dtype=torch.bfloat16)[0] == "embedded"
+    for argv in (["--temperature", "1"], ["--temperature", "0.7", "--top-p", "0.95"], ["--draft", "head", "--temperature", "1"]):
+        assert target(*argv, dtype=torch.bfloat16)[0] == "embedded-gguf", argv
+    assert "fastest for bfloat16 at T > 0" in target("--temperature", "1", dtype=torch.bfloat16)[1]
+    for asked in (["--dtype", "float32"], ["--exact"], ["--runner", "eager"], ["--draft", "early-exit:4"],
+                  ["--quantize", "int4"], ["--draft-quantize", "int4"]):
+        chosen, why = target(*asked)
+        assert chosen == "embedded" and f"({asked[0]} " in why, asked
+    assert target("--target", "embedded")[0] == "embedded" and target("--target", "embedded")[1] is None
+    monkeypatch.setattr(cli, "resolve_cli_device", lambda args: torch.device("cuda"))
+    assert target("--temperature", "1", dtype=torch.bfloat16)[0] == "embedded"  # a GPU runs the PyTorch target
+    monkeypatch.undo()
+    monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: "llama-cpp-python is not usable")
+    chosen, why = target()
+    assert chosen == "embedded" and "llama.cpp would be faster here" in why and "not usable" in why
+    repo = Path(__file__).resolve().parents[2]
+    assert {key[1] for key in DEFAULT_TARGETS} == {"greedy", "sampled"}
+    for entry in DEFAULT_TARGETS.values():
+        assert (repo / entry.evidence).is_dir(), entry
 
 
 # ---------------------------------------------------------------------- failures outside the argument checks
