@@ -97,37 +97,71 @@ def resolve_target(args: argparse.Namespace, dtype: torch.dtype | None = None) -
     Gemma-3-270M on the engine measured fastest for the run's dtype and temperature,
     :data:`~treespec.drafters.DEFAULT_TARGETS`: PyTorch at T=0 where the CPU computes bf16 natively, llama.cpp at
     T > 0 there and at every temperature where it does not. ``auto`` stays on PyTorch where llama-cpp-python is not
-    installed, where the run is on a GPU, and where the command asks for PyTorch (``--dtype``, ``--exact``,
-    ``--quantize``, ``--runner``, ``--draft-quantize``, a draft model or a head that reads earlier layers)."""
+    installed, where the run is on a GPU, and where the command asks for PyTorch (:func:`_pytorch_asked`)."""
     from .drafters import DEFAULT_TARGETS, default_target
 
     if args.target != "auto":
         return args.target, None
     if dtype is None:
         dtype = resolve_cli_dtype(args)
-    regime = "at T=0" if args.temperature <= 0 else "at T > 0"
-    if resolve_cli_device(args).type != "cpu":
-        return "embedded", f"--target auto: the PyTorch target (a {resolve_cli_device(args).type} device)"
+    if (device := resolve_cli_device(args)).type != "cpu":
+        return "embedded", f"--target auto: the PyTorch target (a {device.type} device)"
     if (dtype_word := str(dtype).removeprefix("torch.")) not in {key[0] for key in DEFAULT_TARGETS}:
         return "embedded", None
+    if (flag := _pytorch_asked(args, dtype_word)) is not None:
+        return "embedded", f"--target auto: the PyTorch target ({flag})"
     chosen = default_target(dtype, args.temperature)
+    regime = "at T=0" if args.temperature <= 0 else "at T > 0"
     why = f"measured fastest for {dtype_word} {regime} on this kind of CPU: {chosen.evidence}"
     if chosen.target == "embedded":
         return "embedded", f"--target auto: the PyTorch target ({why})"
-    gguf_draft = (args.draft in DRAFT_WORDS or args.draft.endswith(".safetensors")) \
-        and _layers_head(args.draft) is None  # lookup+H.safetensors included
-    asked = [flag for flag, used in (
-        ("--dtype", args.dtype != "auto"), ("--exact", args.exact), ("--quantize", args.quantize != "none"),
-        ("--runner", args.runner != "auto"), ("--draft-quantize", args.draft_quantize not in ("auto", "none")),
-        (f"--draft {args.draft}", not gguf_draft)) if used]
-    if asked:
-        return "embedded", f"--target auto: the PyTorch target ({asked[0]} asks for it)"
     from .models.llama_cpp import llama_cpp_available
 
     if (missing := llama_cpp_available()) is not None:
         return "embedded", (f"--target auto: the PyTorch target; llama.cpp would be faster here ({why}) but "
                             f"{missing})")
     return EMBEDDED_GGUF, f"--target auto: llama.cpp on the embedded model's Q4_K_M GGUF ({why})"
+
+
+def _pytorch_asked(args: argparse.Namespace, dtype_word: str) -> str | None:
+    """Why ``--target auto`` keeps the PyTorch target whatever the table says, in words (None: nothing asks):
+    an option of PyTorch targets (``--dtype``, ``--exact``, ``--quantize``, ``--runner``, ``--draft-quantize``); a
+    draft llama.cpp cannot feed (a draft model, an early exit, a head reading earlier layers); a tree beyond a
+    llama.cpp pass; and, where the CPU computes bf16 natively, a draft or verifier the engines were not compared
+    with (the table measured ``--draft auto``; a named draft, a shaping option or ``--verifier`` stays on the
+    target it was tuned on)."""
+    from .models.llama_cpp import DEFAULT_MAX_LEAVES, DEFAULT_TREE_CELLS
+
+    gguf_draft = (args.draft in DRAFT_WORDS or args.draft.endswith(".safetensors") or _is_ngram(args.draft)) \
+        and _layers_head(args.draft) is None  # lookup+H.safetensors included
+    for flag, used in (("--dtype", args.dtype != "auto"), ("--exact", args.exact),
+                       ("--quantize", args.quantize != "none"), ("--runner", args.runner != "auto"),
+                       ("--draft-quantize", args.draft_quantize not in ("auto", "none")),
+                       (f"--draft {args.draft}", not gguf_draft)):
+        if used:
+            return f"{flag} asks for it"
+    shape = None
+    if args.draft.startswith("ngram:"):
+        from .drafters import ngram_config
+
+        try:
+            config = ngram_config(args.draft)
+            shape = f"--draft {args.draft}", config.depth * config.branches, config.branches
+        except ValueError:
+            pass  # refused by the argument checks, in their words
+    elif args.tree is not None:
+        from .drafters import tree_widths
+
+        widths = tree_widths(args.tree)
+        shape = f"--tree {','.join(map(str, args.tree))}", tree_nodes(widths), math.prod(widths)
+    if shape is not None and (shape[1] + 1 > DEFAULT_TREE_CELLS or shape[2] > DEFAULT_MAX_LEAVES):
+        return f"{shape[0]} exceeds a llama.cpp pass ({DEFAULT_TREE_CELLS - 1} nodes, {DEFAULT_MAX_LEAVES} leaves)"
+    named = not args.plain and args.draft not in ("auto", "none")
+    flag = f"--draft {args.draft}" if named else _shaping_flag(args) or \
+        ("--verifier" if args.verifier != "auto" and not args.plain else None)
+    if dtype_word == "bfloat16" and flag is not None:
+        return f"the engines were compared with --draft auto; {flag} stays on the target it was tuned on"
+    return None
 
 
 def _leaf_logits(args: argparse.Namespace) -> bool:
@@ -396,7 +430,8 @@ def _draft_arguments(g: argparse.ArgumentParser) -> None:
                    help="'auto' (default: the best measured on train prompts; on the embedded target in bf16 "
                         "'lookup+head' at T=0 and the shipped head at T>0, both on 4-bit head weights; in float32 "
                         "n-gram lookup at T=0 and no draft at T>0, where every drafter measured slower than plain "
-                        "decoding; n-gram lookup on other targets), "
+                        "decoding; no draft on GGUF targets, where plain decoding measured fastest; n-gram lookup "
+                        "on other models), "
                         "'lookup+head' (prompt lookup where the context repeats, the shipped Gemma-3-270M draft "
                         "head elsewhere), 'head' (the shipped head alone), 'ngram' (prompt lookup alone: an adaptive "
                         "chain of up to 8 tokens, the measured default), 'ngram:DEPTH,BRANCHES' (prompt lookup "
@@ -602,7 +637,12 @@ def _gguf_runner(args):
     print(f"treespec: loading {_model_words(args.target, resolve_cli_dtype(args))}{also}...", file=sys.stderr,
           flush=True)
     # a head reads hidden states: captured from llama.cpp's graph, so that the prefill skips the LM head
-    runner = LlamaCppRunner(path, threads=args.threads or torch.get_num_threads(), capture_hidden=needs_model)
+    # room for the prompt (at most one token per byte, and a BOS), the new tokens and a tree; llama.cpp's runner
+    # caps it at the model's trained context
+    context = max(4096, len(args.prompt.encode("utf-8", "replace")) + 8 + args.max_new_tokens
+                  + (1024 if args.chat else 0))  # a chat template's own tokens
+    runner = LlamaCppRunner(path, context=context, threads=args.threads or torch.get_num_threads(),
+                            capture_hidden=needs_model)
     target = load_model("embedded", dtype=resolve_cli_dtype(args)) if needs_model else None
     return runner, LlamaCppTokenizer(runner), target
 

@@ -85,8 +85,7 @@ DEFAULT_DRAFTS: dict[tuple[str, str, str], DefaultDraft] = {
     ("embedded", "float32", "sampled"): DefaultDraft("none", _TUNING + "2026-11-25-d3a41aa-fp32-t1-defaults"),
     # GGUF targets where --dtype auto gives float32 (a CPU without native bf16): llama.cpp computes its LM head for
     # every tree node, and on an AVX2-only AMD EPYC every drafter lost to plain decoding on the embedded GGUF
-    # (n-gram lookup 0.88x / 0.81x its plain decoding at T=0 / T=1, the head 0.63x / 0.58x); not measured on
-    # native-bf16 CPUs, where n-gram lookup stays the default
+    # (n-gram lookup 0.88x / 0.81x its plain decoding at T=0 / T=1, the head 0.63x / 0.58x)
     ("gguf", "float32", "greedy"): DefaultDraft("none", _SPEED + "2026-11-27-2a998ca-epyc-avx2-llama-target"),
     ("gguf", "float32", "sampled"): DefaultDraft("none", _SPEED + "2026-11-27-2a998ca-epyc-avx2-llama-target"),
     # GGUF targets on a native-bf16 CPU (AMD EPYC Zen 4, 24 train prompts, paired with plain decoding on llama.cpp):

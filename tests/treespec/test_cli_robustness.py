@@ -386,20 +386,31 @@ def test_target_auto_picks_the_engine_measured_fastest(monkeypatch):
     def target(*argv, dtype=torch.float32):
         return resolve_target(build_parser().parse_args(["generate", "x", *argv]), dtype)
 
+    monkeypatch.setattr(cli, "resolve_cli_device", lambda args: torch.device("cpu"))  # hosts with a GPU too
     monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: None)
     assert target()[0] == "embedded-gguf" and target("--temperature", "1")[0] == "embedded-gguf"
     assert target(dtype=torch.bfloat16)[0] == "embedded"
-    for argv in (["--temperature", "1"], ["--temperature", "0.7", "--top-p", "0.95"], ["--draft", "head", "--temperature", "1"]):
+    for argv in (["--temperature", "1"], ["--temperature", "0.7", "--top-p", "0.95"], ["--plain", "--temperature", "1"]):
         assert target(*argv, dtype=torch.bfloat16)[0] == "embedded-gguf", argv
     assert "fastest for bfloat16 at T > 0" in target("--temperature", "1", dtype=torch.bfloat16)[1]
     for asked in (["--dtype", "float32"], ["--exact"], ["--runner", "eager"], ["--draft", "early-exit:4"],
-                  ["--quantize", "int4"], ["--draft-quantize", "int4"]):
+                  ["--quantize", "int4"], ["--draft-quantize", "int4"], ["--tree", "8,8", "--temperature", "1"],
+                  ["--draft", "ngram:8,64"]):
         chosen, why = target(*asked)
         assert chosen == "embedded" and f"({asked[0]} " in why, asked
+    assert target("--dtype", "bfloat16", dtype=torch.bfloat16)[1] == \
+        "--target auto: the PyTorch target (--dtype asks for it)"
+    assert target("--draft", "ngram:4,2")[0] == "embedded-gguf"  # an n-gram shape within a llama.cpp pass
+    assert target("--draft", "head", "--temperature", "1")[0] == "embedded-gguf"  # float32: llama.cpp wins anyway
+    # native bf16: the engines were compared with --draft auto; a named draft, a shaping option or a verifier
+    # stays on the PyTorch target, where they were tuned
+    for named in (["--draft", "head"], ["--draft", "ngram"], ["--min-confidence", "0.3"], ["--verifier", "rrs"]):
+        chosen, why = target(*named, "--temperature", "1", dtype=torch.bfloat16)
+        assert chosen == "embedded" and "compared with --draft auto" in why, named
     assert target("--target", "embedded")[0] == "embedded" and target("--target", "embedded")[1] is None
     monkeypatch.setattr(cli, "resolve_cli_device", lambda args: torch.device("cuda"))
     assert target("--temperature", "1", dtype=torch.bfloat16)[0] == "embedded"  # a GPU runs the PyTorch target
-    monkeypatch.undo()
+    monkeypatch.setattr(cli, "resolve_cli_device", lambda args: torch.device("cpu"))
     monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: "llama-cpp-python is not usable")
     chosen, why = target()
     assert chosen == "embedded" and "llama.cpp would be faster here" in why and "not usable" in why
@@ -407,6 +418,32 @@ def test_target_auto_picks_the_engine_measured_fastest(monkeypatch):
     assert {key[1] for key in DEFAULT_TARGETS} == {"greedy", "sampled"}
     for entry in DEFAULT_TARGETS.values():
         assert (repo / entry.evidence).is_dir(), entry
+
+
+def test_the_llama_cpp_target_gets_room_for_the_prompt_and_the_new_tokens(monkeypatch):
+    """The llama.cpp runner's context covers the prompt (one token per byte at most) and --max-new-tokens (it had
+    llama.cpp's 4,096 whatever the run asked for, and a long run ended in a context overflow)."""
+    import treespec.models.llama_cpp as llama_mod
+    from treespec.cli import _gguf_runner, build_parser
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def runner(path, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(llama_mod, "llama_cpp_available", lambda: None)
+    monkeypatch.setattr(llama_mod, "LlamaCppRunner", runner)
+    monkeypatch.setattr("treespec.models.loading.embedded_gguf", lambda **kw: "x.gguf")
+    for prompt, new, least in (("hi", 64, 4096), ("w " * 3000, 9000, 6000 + 9000)):
+        args = build_parser().parse_args(["generate", prompt, "--target", "embedded-gguf", "--plain",
+                                          "--max-new-tokens", str(new)])
+        with pytest.raises(Stop):
+            _gguf_runner(args)
+        assert seen["context"] >= least, (len(prompt), new, seen)
 
 
 # ---------------------------------------------------------------------- failures outside the argument checks
