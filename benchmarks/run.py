@@ -76,7 +76,7 @@ from benchmarks.methods import (  # noqa: E402,F401  (cli_drafter: the drafters 
     resolve,
     variant_row,
 )
-from benchmarks.report import write_report  # noqa: E402
+from benchmarks.report import cli_default_method, write_report  # noqa: E402
 from treespec.models.fast.quant import QUANTIZE_MODES  # noqa: E402
 
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=None,
                     help=f"subset / extras (default: the protocol: {' '.join(PROTOCOL_METHODS)}; extras: "
-                         f"{' '.join(EXTRA_METHODS)}); baselines ts_plain / hf_plain are always added")
+                         f"{' '.join(EXTRA_METHODS)}); baselines ts_plain / hf_plain are always added, and "
+                         "without --methods the CLI default's row of every block")
     ap.add_argument("--list-methods", action="store_true", help="print every row and what it runs, then exit")
     ap.add_argument("--assistant", default="early-exit:16",
                     help="draft of hf_assisted (and ts_early_exit): early-exit:L or a causal LM path/id")
@@ -170,9 +171,11 @@ def apply_quick(args: argparse.Namespace) -> None:
 
 
 def wanted_methods(ap: argparse.ArgumentParser, args: argparse.Namespace, dtypes: list[str]) -> tuple[set, list]:
-    """The rows asked for (the plain baselines always; llama.cpp rows only where llama-cpp-python is usable),
-    and the notes of rows skipped. A 4-bit draft head outside bfloat16 is refused now, not hours later."""
+    """The rows asked for (the plain baselines always; the protocol also the CLI default's row of every block;
+    llama.cpp rows only where llama-cpp-python is usable), and the notes of rows skipped. A 4-bit draft head outside bfloat16 is refused now, not hours later."""
     wanted = set(args.methods or PROTOCOL_METHODS) | {"ts_plain", "hf_plain"}
+    if args.methods is None:  # the protocol pairs every block with `treespec generate`'s default row
+        wanted |= {cli_default_method(dtype, t) for dtype in dtypes for t in args.temperatures}
     four_bit = [v[0] for v in args.variant or [] if len(v) == 6 and v[5] not in ("-", "none")]
     four_bit += sorted(wanted & {"ts_head_int4"})
     if four_bit and any(d != "bfloat16" for d in dtypes):

@@ -76,3 +76,19 @@ def test_a_reject_variant_becomes_max_reject():
     row = variant_row(["v", "head", "6", "reject:0.5", "-"])
     assert row.max_reject == 0.5 and row.min_confidence is None and row.tree == (6,)
     assert cli_flags(row) == "--draft head --tree 6 --max-reject 0.5"
+
+
+def test_the_protocol_runs_the_cli_default_of_every_block(monkeypatch):
+    """Without --methods the run holds `treespec generate`'s default row of each (dtype, T) block, so that every
+    block gets its paired table (the T>0 default on a native-bf16 CPU, plain decoding on llama.cpp, is no
+    protocol row); an explicit --methods list is run as given, with the plain baselines."""
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "llama_available", lambda: None)
+    ap = run.build_parser()
+    args = run.argparse.Namespace(methods=None, variant=None, no_llama=False, temperatures=[0.0, 1.0])
+    wanted, _ = run.wanted_methods(ap, args, ["bfloat16"])
+    assert {"ts_lookup_head", "tsl_plain", "llama_plain"} <= wanted
+    args.methods = ["ts_ngram"]
+    wanted, _ = run.wanted_methods(ap, args, ["bfloat16"])
+    assert wanted == {"ts_ngram", "ts_plain", "hf_plain"}
