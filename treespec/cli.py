@@ -130,8 +130,6 @@ def _pytorch_asked(args: argparse.Namespace, dtype_word: str) -> str | None:
     llama.cpp pass; and, where the CPU computes bf16 natively, a draft or verifier the engines were not compared
     with (the table measured ``--draft auto``; a named draft, a shaping option or ``--verifier`` stays on the
     target it was tuned on)."""
-    from .models.llama_cpp import DEFAULT_MAX_LEAVES, DEFAULT_TREE_CELLS
-
     gguf_draft = (args.draft in DRAFT_WORDS or args.draft.endswith(".safetensors") or _is_ngram(args.draft)) \
         and _layers_head(args.draft) is None  # lookup+H.safetensors included
     for flag, used in (("--dtype", args.dtype != "auto"), ("--exact", args.exact),
@@ -140,22 +138,8 @@ def _pytorch_asked(args: argparse.Namespace, dtype_word: str) -> str | None:
                        (f"--draft {args.draft}", not gguf_draft)):
         if used:
             return f"{flag} asks for it"
-    shape = None
-    if args.draft.startswith("ngram:"):
-        from .drafters import ngram_config
-
-        try:
-            config = ngram_config(args.draft)
-            shape = f"--draft {args.draft}", config.depth * config.branches, config.branches
-        except ValueError:
-            pass  # refused by the argument checks, in their words
-    elif args.tree is not None:
-        from .drafters import tree_widths
-
-        widths = tree_widths(args.tree)
-        shape = f"--tree {','.join(map(str, args.tree))}", tree_nodes(widths), math.prod(widths)
-    if shape is not None and (shape[1] + 1 > DEFAULT_TREE_CELLS or shape[2] > DEFAULT_MAX_LEAVES):
-        return f"{shape[0]} exceeds a llama.cpp pass ({DEFAULT_TREE_CELLS - 1} nodes, {DEFAULT_MAX_LEAVES} leaves)"
+    if (excess := _beyond_llama_pass(args.draft, args.tree)) is not None:
+        return excess
     named = not args.plain and args.draft not in ("auto", "none")
     flag = f"--draft {args.draft}" if named else _shaping_flag(args) or \
         ("--verifier" if args.verifier != "auto" and not args.plain else None)
@@ -270,24 +254,32 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
                                             and not _reads_head(draft) and not draft.startswith("lookup+")):
         raise CliInputError(f"--draft {draft} needs a PyTorch target; a GGUF target drafts with ngram, head, "
                             f"lookup+head or a head file")
-    shape = None  # the llama.cpp runner's limits, checked before anything loads
+    if (excess := _beyond_llama_pass(draft, args.tree)) is not None:  # checked before anything loads
+        raise CliInputError(excess)
+
+
+def _beyond_llama_pass(draft: str, tree: list[int] | None) -> str | None:
+    """Where an n-gram shape (``ngram:D,B``) or a ``--tree`` holds more than one llama.cpp pass takes (the
+    runner's cells and leaves), that in words; None where it fits or there is no shape (a malformed ``ngram:``
+    spelling is refused by :func:`_check_tree`, in its own words)."""
+    from .drafters import ngram_config, tree_widths
+    from .models.llama_cpp import DEFAULT_MAX_LEAVES, DEFAULT_TREE_CELLS
+
     if draft.startswith("ngram:"):
-        from .drafters import ngram_config
-
-        config = ngram_config(draft)
-        shape = f"--draft {draft}", config.depth * config.branches, config.branches
-    elif args.tree is not None:
-        from .drafters import tree_widths
-
-        widths = tree_widths(args.tree)
-        shape = f"--tree {','.join(map(str, args.tree))}", tree_nodes(widths), math.prod(widths)
-    if shape is not None:
-        from .models.llama_cpp import DEFAULT_MAX_LEAVES, DEFAULT_TREE_CELLS
-
-        what, nodes, leaves = shape
-        if nodes + 1 > DEFAULT_TREE_CELLS or leaves > DEFAULT_MAX_LEAVES:
-            raise CliInputError(f"{what}: {nodes} draft nodes and {leaves} leaves; a llama.cpp pass takes at most "
-                                f"{DEFAULT_TREE_CELLS - 1} nodes and {DEFAULT_MAX_LEAVES} leaves")
+        try:
+            config = ngram_config(draft)
+        except ValueError:
+            return None
+        what, nodes, leaves = f"--draft {draft}", config.depth * config.branches, config.branches
+    elif tree is not None:
+        widths = tree_widths(tree)
+        what, nodes, leaves = f"--tree {','.join(map(str, tree))}", tree_nodes(widths), math.prod(widths)
+    else:
+        return None
+    if nodes + 1 > DEFAULT_TREE_CELLS or leaves > DEFAULT_MAX_LEAVES:
+        return (f"{what}: {nodes} draft nodes and {leaves} leaves; a llama.cpp pass takes at most "
+                f"{DEFAULT_TREE_CELLS - 1} nodes and {DEFAULT_MAX_LEAVES} leaves")
+    return None
 
 
 def usable_cores() -> int:
