@@ -21,15 +21,18 @@ TARGET_ENGINE = {
     "ts": "treespec",              # the embedded target behind the runner of --runner (as `treespec generate`)
     "ts_eager": "treespec",        # the same target on the eager Hugging Face forward
     "ts_int4": "treespec-int4",    # the target on 4-bit weights (`treespec generate --quantize int4`)
+    "ts_int8h": "treespec-int8-head",  # the target with an 8-bit LM head (`treespec generate --quantize int8-head`)
     "ts_gguf": "treespec-llama.cpp",  # the embedded GGUF in llama.cpp behind treespec's tree pass
     "hf": "hf",                    # Hugging Face transformers `generate`
     "llama": "llama.cpp",          # llama-cpp-python's own generation on the embedded GGUF
 }
 #: each engine's plain decoding: the baseline its rows are paired with
 BASELINES = {"treespec": "ts_plain", "hf": "hf_plain", "llama.cpp": "llama_plain", "treespec-int4": "ts_plain_int4",
+             "treespec-int8-head": "ts_plain_int8h",
              "treespec-llama.cpp": "tsl_plain"}
 BASELINE_LABEL = {"ts_plain": "treespec plain", "hf_plain": "HF generate", "llama_plain": "llama.cpp plain",
-                  "ts_plain_int4": "treespec int4 plain", "tsl_plain": "treespec plain on llama.cpp"}
+                  "ts_plain_int4": "treespec int4 plain", "tsl_plain": "treespec plain on llama.cpp",
+                  "ts_plain_int8h": "treespec int8-head plain"}
 #: the ``--draft`` value of a row that drafts with the run's ``--assistant``
 ASSISTANT = "<assistant>"
 
@@ -74,6 +77,9 @@ ROWS: tuple[Row, ...] = (
     Row("ts_plain_int4", "ts_int4"),
     Row("ts_ngram_int4", "ts_int4", "ngram"),
     Row("ts_lookup_head_int4", "ts_int4", "lookup+head"),
+    Row("ts_plain_int8h", "ts_int8h"),
+    Row("ts_head_int8h", "ts_int8h", "head"),
+    Row("ts_lookup_head_int8h", "ts_int8h", "lookup+head"),
     Row("ts_ngram_tree", "ts", drafter="ngram", settings=(("depth", 8), ("branches", 4), ("max_nodes", 16))),
     Row("ts_online_ngram", "ts", drafter="online_ngram", settings=(("depth", 8), ("branches", 1), ("adaptive", True))),
     Row("ts_head_dyspec", "ts", drafter="dyspec", settings=(("budget", 8), ("max_depth", 4))),
@@ -143,7 +149,7 @@ def describe(row: Row, runner: str = "auto", runner_kind: str = "", lookup_token
         return f"llama-cpp-python {how} on {gguf}"
     where = {"ts": f"--target embedded --runner {runner}" + (f" ({runner_kind})" if runner_kind else ""),
              "ts_eager": "--target embedded --runner eager", "ts_int4": "--target embedded --quantize int4",
-             "ts_gguf": "--target embedded-gguf"}[row.target]
+             "ts_int8h": "--target embedded --quantize int8-head", "ts_gguf": "--target embedded-gguf"}[row.target]
     if row.drafter is not None:
         custom = CUSTOM_DRAFTERS[row.drafter]
         settings = ", ".join([custom.over] * bool(custom.over) + [f"{k}={_value(v)}" for k, v in row.settings])
@@ -380,6 +386,11 @@ class Targets:
 
         return self._once("int4", lambda: make_runner(self.model, quantize="int4"))
 
+    def int8_head(self):
+        from treespec.models.fast import make_runner
+
+        return self._once("int8-head", lambda: make_runner(self.model, quantize="int8-head"))
+
     def gguf(self, capture_hidden: bool = False):
         """A llama.cpp runner over the embedded GGUF (``capture_hidden`` for head rows, as the CLI builds it)."""
         from treespec.models.llama_cpp import LlamaCppRunner
@@ -426,7 +437,7 @@ def resolve(row: Row, options: RunOptions) -> Row:
 
 def _treespec_method(row: Row, targets: Targets) -> Method:
     opts = targets.options
-    model = {"ts": targets.runner, "ts_eager": lambda: targets.model, "ts_int4": targets.int4,
+    model = {"ts": targets.runner, "ts_eager": lambda: targets.model, "ts_int4": targets.int4, "ts_int8h": targets.int8_head,
              "ts_gguf": lambda: targets.gguf(capture_hidden=row.draft in ("head", "lookup+head"))}[row.target]()
     reset = None
     if row.drafter is not None:

@@ -27,8 +27,9 @@ if TYPE_CHECKING:  # the engine loads only once a command runs: building the par
 
 #: the parser's choices, copied from the engine's registries so that ``--help`` imports no torch
 #: (tests/treespec/test_cli_help.py checks each against its registry): ``--verifier`` names with what each means
-#: (:data:`treespec.verify.VERIFIERS`), ``--law`` (:data:`treespec.tree.DRAFT_LAWS`), ``--quantize`` modes
-#: (:data:`treespec.models.fast.QUANTIZE_MODES`) and the embedded GGUF's ``--target`` word
+#: (:data:`treespec.verify.VERIFIERS`), ``--law`` (:data:`treespec.tree.DRAFT_LAWS`), ``--draft-quantize`` and
+#: ``--quantize`` modes (:data:`treespec.models.fast.QUANTIZE_MODES`, ``TARGET_QUANTIZE_MODES``) and the embedded
+#: GGUF's ``--target`` word
 #: (:data:`treespec.drafters.EMBEDDED_GGUF`)
 VERIFIER_MEANINGS = {
     "greedy": "temperature 0: accept drafted tokens while they are the target's argmax",
@@ -44,6 +45,7 @@ VERIFIER_MEANINGS = {
 }
 DRAFT_LAWS = ("iid", "without_replacement", "deterministic", "greedy_draft", "spechub")
 QUANTIZE_MODES = ("int4",)
+TARGET_QUANTIZE_MODES = ("int4", "int8-head")
 EMBEDDED_GGUF = "embedded-gguf"
 
 #: names of the engine this module calls, imported on first use and read through :func:`_engine` (a test may
@@ -352,7 +354,7 @@ def _check_args(args: argparse.Namespace) -> None:
     elif device.type != "cpu":
         for flag, mode in (("--quantize", args.quantize), ("--draft-quantize", args.draft_quantize)):
             if mode not in ("none", "auto"):
-                raise CliInputError(f"{flag} {mode} runs on torch's int4 CPU kernel; this run's device is {device} "
+                raise CliInputError(f"{flag} {mode} runs on a CPU kernel of torch's; this run's device is {device} "
                                     f"(use --device cpu)")
     try:
         args.prompt.encode("utf-8")
@@ -506,12 +508,13 @@ def _engine_arguments(g: argparse.ArgumentParser) -> None:
                         "forward at a few fixed shapes, replayed as CUDA graphs on a GPU (fewer kernel launches; "
                         "on a CPU the same passes without graphs, slower than fast), 'auto' (default) = fast "
                         "where it covers the model")
-    g.add_argument("--quantize", choices=["none", *QUANTIZE_MODES], default="none",
+    g.add_argument("--quantize", choices=["none", *TARGET_QUANTIZE_MODES], default="none",
                    help="none (default): the target's own weights; int4: the target's linear layers (LM head "
                         "included) run on 4-bit weights (groups of 32, "
-                        "CPU kernel; about the size of the GGUF it was de-quantised from): a different, faster "
+                        "CPU kernel; about the size of the GGUF it was de-quantised from); int8-head: the LM head "
+                        "alone runs on 8-bit integers (oneDNN's int8 product, CPU): each a different, faster "
                         "model; speculative decoding is lossless with respect to it (compare with --plain "
-                        "--quantize int4)")
+                        "--quantize MODE)")
     g.add_argument("--draft-quantize", choices=["auto", "none", *QUANTIZE_MODES], default="auto",
                    help="int4: a draft head's products run on 4-bit weights (about a third of the bf16 bytes a step "
                         "reads; another q, so other acceptance; lossless either way; needs bfloat16); none: the "
@@ -745,7 +748,7 @@ def run_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_cli_dtype(args)
-    if args.quantize != "none" and dtype != torch.bfloat16:
+    if args.quantize == "int4" and dtype != torch.bfloat16:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")

@@ -32,7 +32,7 @@ def test_a_cli_row_describes_the_settings_it_runs_with(row):
         assert args.draft == row.draft
     assert args.tree == row.tree and args.min_confidence == row.min_confidence and args.law == row.law
     assert args.draft_quantize == (row.quantize or "auto")
-    assert args.quantize == ("int4" if row.target == "ts_int4" else "none")
+    assert args.quantize == {"ts_int4": "int4", "ts_int8h": "int8-head"}.get(row.target, "none")
     assert args.target == ("embedded-gguf" if row.target == "ts_gguf" else "embedded")
     assert args.runner == ("eager" if row.target == "ts_eager" else "auto")
     assert _leaf_logits(args) == row.leaf_logits  # the GGUF target's `auto` would differ: the rows say it
@@ -56,7 +56,7 @@ def test_variant_rows_and_baselines_keep_the_build_order():
     names = [r.name for r in ordered_rows(wanted, [variant], "auto")]
     assert names == ["ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_int4", "ts_head_bf16",
                      "ts_head_chain", "ts_lookup_head", "q4", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4",
-                     "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_online_head",
+                     "ts_plain_int8h", "ts_head_int8h", "ts_lookup_head_int8h", "ts_ngram_tree", "ts_online_ngram", "ts_head_dyspec", "ts_head_eagle2", "ts_online_head",
                      "ts_early_exit", "ts_medusa", "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain",
                      "llama_prompt_lookup", "tsl_plain", "tsl_ngram", "tsl_head", "tsl_lookup_head",
                      "tsl_ngram_noleaf", "tsl_head_noleaf", "tsl_lookup_head_noleaf"]

@@ -247,3 +247,21 @@ def test_sampling_cost_quick(tmp_path):
     assert all(f["median_ms"] > 0 for f in res["filters"])
     assert {r["setting"] for r in res["summary"]} == {name for name, *_ in sampling_cost.SETTINGS}
     assert res["summary"][0]["ratio_median"] == 1.0 and "| T=0.7 top-p 0.95 |" in (out / "table.md").read_text()
+
+
+@pytest.mark.gemma
+def test_profile_int8_head_quick(tmp_path, monkeypatch):
+    """benchmarks/profile_int8_head.py: the distance table (every target) and t(n) for both dtypes, in one pass."""
+    from benchmarks import profile_int8_head
+
+    monkeypatch.setattr(profile_int8_head, "ROWS", (1, 2))
+    out = tmp_path / "int8"
+    assert profile_int8_head.main(["--per-category", "1", "--new-tokens", "2", "--passes", "1", "--threads", "1",
+                                   "--allow-dirty", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    names = [d["target"] for d in res["distance"]]
+    assert names[:3] == ["bfloat16", "bfloat16, int8 head", "float32, int8 head"]
+    assert all(0 <= d["kl_mean"] and 0 <= d["top1_agreement"] <= 1 for d in res["distance"])
+    assert {(c["target"], c["n"]) for c in res["pass_costs"]} == {
+        (t, n) for t in ("bf16", "bf16, int8 head", "float32", "float32, int8 head") for n in (1, 2)}
+    assert "| float32 | 2 |" in (out / "table.md").read_text()

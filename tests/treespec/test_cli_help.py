@@ -78,13 +78,14 @@ def test_missing_public_name_is_an_attribute_error():
 def test_parser_choices_equal_the_engine_registries():
     """The CLI's copies of the registries (kept torch-free for --help) equal the registries themselves."""
     from treespec import cli, drafters
-    from treespec.models.fast import QUANTIZE_MODES
+    from treespec.models.fast import QUANTIZE_MODES, TARGET_QUANTIZE_MODES
     from treespec.tree import DRAFT_LAWS
     from treespec.verify import VERIFIERS
 
     assert set(cli.VERIFIER_MEANINGS) == set(VERIFIERS)
     assert cli.DRAFT_LAWS == DRAFT_LAWS
     assert cli.QUANTIZE_MODES == QUANTIZE_MODES
+    assert cli.TARGET_QUANTIZE_MODES == TARGET_QUANTIZE_MODES
     assert cli.EMBEDDED_GGUF == drafters.EMBEDDED_GGUF
 
 

@@ -17,8 +17,9 @@ with oneDNN it keeps, by default (``prepack``), a oneDNN-blocked copy of every l
 reorders the whole weight on every call, which made the 262k-row LM head cost about 3x the time
 to read it; the prepacked product gives the same bits (tested against the eager runner). With
 ``quantize="int4"`` every linear weight is replaced by a 4-bit copy (:mod:`~.quant`): another model,
-tested against an eager model holding the de-quantised weights. After changing weights in place call
-:meth:`FastGemmaRunner.refresh`.
+tested against an eager model holding the de-quantised weights. With ``quantize="int8-head"`` the LM head
+alone runs on 8-bit integers (:mod:`~.int8_head`), another model too, tested against its float64 formula.
+After changing weights in place call :meth:`FastGemmaRunner.refresh`.
 
 Every formula and dtype cast follows ``transformers.models.gemma3.modeling_gemma3`` (5.x):
 
@@ -51,7 +52,8 @@ from ..features import join_features
 from ..runner import CacheBook, ModelRunner
 from .allocator import keep_large_allocations
 from .packed import pack_weight, packed_linear, prepack_default
-from .quant import QUANTIZE_MODES, int4_linear, quantize_int4
+from .int8_head import calibration_ids, int8_head_logits, plan_int8_head, quantize_int8_head
+from .quant import TARGET_QUANTIZE_MODES, int4_linear, quantize_int4
 from .static_cache import StaticKVCache
 
 
@@ -126,7 +128,8 @@ class FastGemmaRunner(ModelRunner):
         module docs); False reads the parameters themselves.
     quantize : ``"int4"``: every linear layer (LM head included) runs on a 4-bit copy of its weight
         (:mod:`~.quant`; CPU only): a different, smaller model, whose own plain decoding is the
-        baseline that speculative decoding with this runner reproduces. None: the weights as loaded.
+        baseline that speculative decoding with this runner reproduces. ``"int8-head"``: the LM head alone on
+        8-bit integers (:mod:`~.int8_head`; CPU only), another model as well. None: the weights as loaded.
     """
 
     def __init__(self, model: PreTrainedModel, capacity: int = 1024, prepack: bool | None = None,
@@ -134,8 +137,8 @@ class FastGemmaRunner(ModelRunner):
         reason = fast_supported(model)
         if reason is not None:
             raise ValueError(f"FastGemmaRunner: {reason}; use ModelRunner")
-        if quantize is not None and quantize not in QUANTIZE_MODES:
-            raise ValueError(f"unknown quantisation {quantize!r}; expected one of {QUANTIZE_MODES} or None")
+        if quantize is not None and quantize not in TARGET_QUANTIZE_MODES:
+            raise ValueError(f"unknown quantisation {quantize!r}; expected one of {TARGET_QUANTIZE_MODES} or None")
         self._capacity = capacity
         self._prepack = prepack
         self.quantize = quantize
@@ -149,7 +152,8 @@ class FastGemmaRunner(ModelRunner):
     def refresh(self) -> None:
         """(Re)read the module's parameters: call after changing or replacing weights (the norms'
         ``1 + w`` vectors, the stacked q/k/v and gate/up copies and, with ``prepack`` or ``quantize``,
-        the packed or 4-bit weights are derived here)."""
+        the packed or 4-bit weights are derived here). With ``quantize="int8-head"`` it also runs the head's
+        calibration pass, which clears the cache."""
         model, cfg = self.model, self.model.config
         base = model.model
         self.eps = cfg.rms_norm_eps
@@ -167,7 +171,9 @@ class FastGemmaRunner(ModelRunner):
         else:
             self.prepacked = self._prepack if self._prepack is not None else prepack_default(self.dtype, self.device)
             lin, self.linear = (pack_weight, packed_linear) if self.prepacked else ((lambda w: w), F.linear)
-        self.lm_head_weight = lin(self.lm_head)  # in the form self.linear takes
+        # the head in the form self.linear takes, or on 8 bits (made at the end, after a calibration pass)
+        self.lm_head_weight = None if self.quantize == "int8-head" else lin(self.lm_head)
+        self.head8 = None
 
         def one_plus(norm) -> torch.Tensor:
             return 1.0 + norm.weight.float()
@@ -198,6 +204,19 @@ class FastGemmaRunner(ModelRunner):
         self.inv_freq = {kind: getattr(rot, f"{kind}_inv_freq").to(device=self.device, dtype=torch.float)
                          for kind in ("full_attention", "sliding_attention") if hasattr(rot, f"{kind}_inv_freq")}
         self.rope_scaling = {kind: getattr(rot, f"{kind}_attention_scaling") for kind in self.inv_freq}
+        if self.quantize == "int8-head":
+            self.head8 = self._int8_head()
+
+    def _int8_head(self):
+        """The 8-bit LM head, its activation ranges from the final hidden states of seeded random ids."""
+        if self.device.type != "cpu":
+            raise ValueError(f"quantize='int8-head' runs on oneDNN's int8 CPU kernel; the model is on {self.device}")
+        self.reset()
+        with torch.inference_mode():
+            ids = calibration_ids(self.lm_head.shape[0]).to(self.device)
+            hidden = self.forward(None, None, chain=ids, need_logits=False, need_hidden=True)["hidden"]  # [n, H]
+        self.reset()
+        return quantize_int8_head(self.lm_head, plan_int8_head(self.lm_head, hidden.float().abs().amax(0)))
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -314,7 +333,10 @@ class FastGemmaRunner(ModelRunner):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head, float32, final soft-capping in place (the same values as :meth:`ModelRunner.logits`)."""
-        raw = self.linear(hidden, self.lm_head_weight)
+        if self.head8 is not None:
+            raw = int8_head_logits(hidden, self.head8)  # float32 already
+        else:
+            raw = self.linear(hidden, self.lm_head_weight)
         if not self.softcap:  # the check reads the model-dtype logits (half the bytes; same verdict)
             check_finite(raw, type(self.model).__name__)
         logits = raw.float()

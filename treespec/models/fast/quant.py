@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-#: the quantisation modes of a target (``None``: the weights as loaded)
+#: the quantisation modes of a draft head and of a target (``None``: the weights as loaded)
 QUANTIZE_MODES = ("int4",)
+#: a target's modes: those, and an 8-bit LM head alone (:mod:`.int8_head`)
+TARGET_QUANTIZE_MODES = (*QUANTIZE_MODES, "int8-head")
 #: input columns per (scale, offset) pair; the kernel also wants ``out`` divisible by 16
 GROUP = 32
 

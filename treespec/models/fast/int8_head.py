@@ -1,0 +1,154 @@
+"""An 8-bit LM head (CPU): the target of ``--quantize int8-head``.
+
+Gemma-3-270M's LM head reads a ``[262144, 640]`` table on every step: 335 MB in bf16, about two thirds of what a
+one-token step of the bf16 target reads. Here the head's product runs on 8-bit integers in oneDNN's int8 matrix
+product (VNNI on x86), which reads a quarter of the float32 bytes and whose cost grows slowly with the rows of a
+tree pass. The rest of the model is unchanged. The head stands for
+
+    logits[r, v] = s[r] * c[v] * sum_{j in K} round(x[r, j] / s[r]) * code[v, j]  +  sum_{j in O} h[r, j] W[v, j]
+
+with
+
+* ``O``: the ``outliers`` hidden dimensions with the largest activations (a few dimensions of the final hidden
+  state carry values 10-20 times the median: quantising them with the rest would spend the 8 bits on them);
+  their columns stay in float32;
+* ``K``: the other dimensions, smoothed (``x = h[:, K] / m``, ``W[:, K] * m`` with
+  ``m_j = (a_j / w_j) ** alpha`` for activation range ``a_j`` and weight range ``w_j``, SmoothQuant, arXiv
+  2211.10438) and quantised symmetrically: activations per row (``s[r] = max_j |x[r, j]| / 127``, so a row's
+  logits do not depend on the other rows of its pass), weights per vocabulary row (``c[v] = max_j |W'[v, j]| /
+  127``, ``code`` in -127..127).
+
+The activation ranges come from the model itself, without data: the final hidden states of
+``CALIBRATION_TOKENS`` seeded random token ids. A quantised head makes another model; speculative decoding is
+lossless with respect to it, and its own plain decoding is the baseline. How far it is from the float32 model,
+beside llama.cpp's Q8_0 head, is measured by ``benchmarks/profile_int8_head.py``.
+:func:`int8_head_reference` is the slow, obvious float64 formula the fast product is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: hidden dimensions whose columns stay in float32 (the largest activation ranges)
+OUTLIERS = 16
+#: SmoothQuant's migration strength: 0 leaves activations as they are, 1 moves their whole range onto the weights
+ALPHA = 0.3
+#: random token ids whose final hidden states give the activation ranges (seeded: the same head every time)
+CALIBRATION_TOKENS = 256
+CALIBRATION_SEED = 0
+#: the oneDNN ops the head calls
+INT8_OPS = ("qlinear_prepack", "qlinear_pointwise")
+_ZERO_POINT = 128  # uint8 activations: code + 128
+
+
+def int8_kernel_missing() -> str | None:
+    """None where this torch has oneDNN's int8 matrix product (:data:`INT8_OPS`), else why not, in words."""
+    if not torch.backends.mkldnn.is_available():
+        return f"torch {torch.__version__} is built without oneDNN"
+    onednn = getattr(torch.ops, "onednn", None)
+    missing = [op for op in INT8_OPS if onednn is None or not hasattr(onednn, op)]
+    if missing:
+        return f"torch {torch.__version__} has no onednn.{', onednn.'.join(missing)} (oneDNN's int8 product)"
+    return None
+
+
+@dataclass(frozen=True)
+class Int8HeadPlan:
+    """Which columns stay in float32 and how the others are smoothed: ``outliers`` ``[k]`` and ``kept``
+    ``[H - k]`` column indices (ascending), ``smooth`` ``[H - k]`` float32 (``m`` in the module docs)."""
+
+    outliers: torch.Tensor
+    kept: torch.Tensor
+    smooth: torch.Tensor
+
+
+def plan_int8_head(weight: torch.Tensor, act_range: torch.Tensor, outliers: int = OUTLIERS,
+                   alpha: float = ALPHA) -> Int8HeadPlan:
+    """The plan for a ``[V, H]`` head ``weight`` from ``act_range`` ``[H]`` (max |activation| per dimension)."""
+    hidden = weight.shape[1]
+    if act_range.shape != (hidden,):
+        raise ValueError(f"act_range has shape {tuple(act_range.shape)}; expected ({hidden},)")
+    if not 0 <= outliers < hidden:
+        raise ValueError(f"outliers must be in 0..{hidden - 1}, got {outliers}")
+    act = act_range.detach().float().cpu()
+    out_idx = act.topk(outliers).indices.sort().values if outliers else torch.zeros(0, dtype=torch.long)
+    keep = torch.ones(hidden, dtype=torch.bool)
+    keep[out_idx] = False
+    kept = keep.nonzero().squeeze(1)
+    w_range = weight.detach().abs().amax(0).float().cpu()[kept]
+    smooth = (act[kept].clamp_min(1e-6) / w_range.clamp_min(1e-6)) ** alpha  # [H - k]
+    return Int8HeadPlan(out_idx, kept, smooth)
+
+
+@dataclass(frozen=True)
+class Int8Head:
+    """A ``[V, H]`` LM head in the form of :func:`int8_head_logits` (build it with :func:`quantize_int8_head`)."""
+
+    packed: torch.Tensor  # oneDNN-packed int8 codes of the smoothed kept columns
+    scales: torch.Tensor  # [V] float32: c
+    zero_points: torch.Tensor  # [V] int64 zeros (symmetric weights)
+    outlier_weight: torch.Tensor  # [k, V] float32: W[:, O].T
+    plan: Int8HeadPlan
+    vocab: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.outlier_weight))
+
+
+def weight_codes(weight: torch.Tensor, plan: Int8HeadPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[V, H]`` weight -> (codes ``[V, H - k]`` int8 of the smoothed kept columns, scales ``[V]`` float32)."""
+    smoothed = weight.detach().float()[:, plan.kept] * plan.smooth  # [V, H - k]
+    scales = (smoothed.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [V]
+    codes = torch.round(smoothed / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int8_head(weight: torch.Tensor, plan: Int8HeadPlan) -> Int8Head:
+    """``weight`` ``[V, H]`` (CPU) on 8-bit codes per :func:`plan_int8_head`'s plan. Raises ValueError where this
+    torch lacks the kernel or the weight is not on the CPU."""
+    missing = int8_kernel_missing()
+    if missing:
+        raise ValueError(f"cannot build an int8 LM head: {missing}")
+    if weight.device.type != "cpu":
+        raise ValueError(f"the int8 LM head runs on oneDNN's CPU kernel; the weight is on {weight.device}")
+    codes, scales = weight_codes(weight, plan)
+    packed = torch.ops.onednn.qlinear_prepack(codes, [1, codes.shape[1]])
+    outlier_weight = weight.detach().float()[:, plan.outliers].t().contiguous()  # [k, V]
+    return Int8Head(packed, scales, torch.zeros_like(scales, dtype=torch.long), outlier_weight, plan,
+                    weight.shape[0])
+
+
+def activation_codes(hidden: torch.Tensor, plan: Int8HeadPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` ``[R, H]`` -> (codes ``[R, H - k]`` float32 in -127..127, row ranges ``[R, 1]`` = 127 s)."""
+    x = hidden.float()[:, plan.kept] / plan.smooth  # [R, H - k]
+    rng = x.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # [R, 1]
+    return torch.round(x * (127 / rng)), rng
+
+
+def int8_head_logits(hidden: torch.Tensor, head: Int8Head) -> torch.Tensor:
+    """float32 logits ``[R, V]`` of ``hidden`` ``[R, H]`` through ``head`` (formula in the module docs)."""
+    codes, rng = activation_codes(hidden, head.plan)
+    x_u8 = (codes + _ZERO_POINT).to(torch.uint8)  # [R, H - k]
+    out = torch.ops.onednn.qlinear_pointwise(x_u8, 1.0 / 127, _ZERO_POINT, head.packed, head.scales,
+                                             head.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+    out.mul_(rng)  # [R, V]
+    if head.outlier_weight.shape[0]:
+        out.addmm_(hidden.float()[:, head.plan.outliers], head.outlier_weight)
+    return out
+
+
+def int8_head_reference(hidden: torch.Tensor, weight: torch.Tensor, plan: Int8HeadPlan) -> torch.Tensor:
+    """The same logits as :func:`int8_head_logits`, in float64, from the formula (slow; for tests)."""
+    codes_w, scales = weight_codes(weight, plan)
+    codes_x, rng = activation_codes(hidden, plan)
+    main = (codes_x.double() @ codes_w.double().t()) * (rng.double() / 127) * scales.double()
+    h, w = hidden.double(), weight.detach().double()
+    return main + h[:, plan.outliers] @ w[:, plan.outliers].t()
+
+
+def calibration_ids(vocab: int, n: int = CALIBRATION_TOKENS, seed: int = CALIBRATION_SEED) -> torch.Tensor:
+    """``[n]`` seeded random token ids below ``vocab``: the input whose final hidden states set the ranges."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
