@@ -437,7 +437,8 @@ def resolve(row: Row, options: RunOptions) -> Row:
 
 def _treespec_method(row: Row, targets: Targets) -> Method:
     opts = targets.options
-    model = {"ts": targets.runner, "ts_eager": lambda: targets.model, "ts_int4": targets.int4, "ts_int8h": targets.int8_head,
+    model = {"ts": targets.runner, "ts_eager": lambda: targets.model, "ts_int4": targets.int4,
+             "ts_int8h": targets.int8_head,
              "ts_gguf": lambda: targets.gguf(capture_hidden=row.draft in ("head", "lookup+head"))}[row.target]()
     reset = None
     if row.drafter is not None:

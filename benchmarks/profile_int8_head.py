@@ -8,7 +8,8 @@ On the embedded Gemma-3-270M and tuning prompts (../shared/data/train, never the
    tokens; on those positions (teacher forced), each target's next-token distribution is compared with the
    float32 one: KL(float32 || target) (mean and 95th percentile) and top-1 agreement. Targets: bf16 (the CLI
    default's PyTorch target), bf16 with the 8-bit head, float32 with the 8-bit head, and llama.cpp on the GGUF the
-   model was de-quantised from (its Q8_0 head and 8-bit activations), where llama-cpp-python is installed;
+   model was de-quantised from (the whole model: Q4_K_M weights, 8-bit activations in every product), where
+   llama-cpp-python is installed;
 2. **pass cost** t(n): a chain of n tokens after a 100-token prefix, for the bf16 and float32 targets with and
    without the 8-bit head (median of ``--passes``), and the LM head alone on n rows (float32 is the dtype
    ``--dtype auto`` gives on CPUs without native bf16).

@@ -11,7 +11,7 @@ The prompts are read from the ``shared/`` folder beside the repository checkout 
 
 Methods (same target, prompts, dtype and run; ``--methods`` picks a subset, ``--list-methods`` shows every row
 with what it runs): treespec rows built as ``treespec generate`` builds them (``ts_*``; ``tsl_*`` on the
-embedded GGUF in llama.cpp, ``ts_*_int4`` on the 4-bit target), Hugging Face transformers ``generate``
+embedded GGUF in llama.cpp, ``ts_*_int4`` on the 4-bit target, ``ts_*_int8h`` on the target with an 8-bit LM head), Hugging Face transformers ``generate``
 (``hf_plain``, ``hf_prompt_lookup``, ``hf_assisted`` with ``--assistant``) and llama-cpp-python on the same
 Q4_K_M GGUF the embedded target is de-quantised from (``llama_*``; ``pip install -e ".[peers]"``, skipped with a
 message when not installed). Each row is one entry of ``benchmarks/methods.py``'s table, and its description in

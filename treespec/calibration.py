@@ -210,20 +210,32 @@ def _time_tree_pass(runner, tokens: int, repeats: int, vocab: int) -> float:
 
 
 def runner_weights(runner) -> list[torch.Tensor]:
-    """The weight tensors a step of ``runner`` reads: a quantised fast runner's 4-bit copies (packed
-    codes, scales and offsets) and norms (its input embedding, untied from the 4-bit LM head, is read
-    one row per token and left out), else the model's parameters and buffers."""
+    """The weight tensors a step of ``runner`` reads: a quantised fast runner's weights as its products read them
+    (4-bit copies: packed codes, scales and offsets; an 8-bit LM head: codes, scales and float32 outlier columns;
+    the others as prepacked; a weight oneDNN holds in a tensor torch cannot read is stood for by a buffer of as
+    many bytes) and norms (its input embedding, untied from the quantised LM head, is read one row per token and
+    left out), else the model's parameters and buffers."""
     from .models.fast.quant import Int4Weight
 
     if getattr(runner, "quantize", None) is None:
         return [*runner.model.parameters(), *runner.model.buffers()]
     out = [runner.final_norm]
+    head8 = getattr(runner, "head8", None)
+    if head8 is not None:
+        out += [head8.packed, head8.scales, head8.outlier_weight]
     for item in [x for layer in runner.layers for x in layer] + [runner.lm_head_weight]:
         if isinstance(item, Int4Weight):
             out += [item.packed, item.scales_zeros]
         elif isinstance(item, torch.Tensor):
             out.append(item)
-    return out
+    return [_readable(t) for t in out]
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for an opaque oneDNN tensor a zero buffer of as many bytes (reading it costs the same)."""
+    if t.layout != torch._mkldnn:
+        return t
+    return torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
 
 
 @torch.no_grad()

@@ -354,8 +354,8 @@ def _check_args(args: argparse.Namespace) -> None:
     elif device.type != "cpu":
         for flag, mode in (("--quantize", args.quantize), ("--draft-quantize", args.draft_quantize)):
             if mode not in ("none", "auto"):
-                raise CliInputError(f"{flag} {mode} runs on a CPU kernel of torch's; this run's device is {device} "
-                                    f"(use --device cpu)")
+                kernel = "oneDNN's int8 CPU kernel" if mode == "int8-head" else "torch's int4 CPU kernel"
+                raise CliInputError(f"{flag} {mode} runs on {kernel}; this run's device is {device} (use --device cpu)")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -827,7 +827,7 @@ def _run_info(args, drafter, runner, dtype) -> dict:
 def _print_closing(args, summary: dict, info: dict, plain: bool, dtype, seed: int) -> None:
     """The closing line on stderr (tokens, target passes, tau, the drafter in words, the guarantee), and a
     hint where ``auto`` chose plain decoding."""
-    weights = "" if args.quantize == "none" else f", {args.quantize} weights"
+    weights = {"none": "", "int8-head": ", an 8-bit LM head"}.get(args.quantize, f", {args.quantize} weights")
     if "draft_weights" in info:
         weights += f", {info['draft_weights']} draft head"
     dtype_word = "GGUF weights" if info["runner"] == "llama.cpp" else info["dtype"]

@@ -394,7 +394,8 @@ def test_target_auto_picks_the_engine_measured_fastest(monkeypatch):
         assert target(*argv, dtype=torch.bfloat16)[0] == "embedded-gguf", argv
     assert "fastest for bfloat16 at T > 0" in target("--temperature", "1", dtype=torch.bfloat16)[1]
     for asked in (["--dtype", "float32"], ["--exact"], ["--runner", "eager"], ["--draft", "early-exit:4"],
-                  ["--quantize", "int4"], ["--draft-quantize", "int4"], ["--tree", "8,8", "--temperature", "1"],
+                  ["--quantize", "int4"], ["--quantize", "int8-head"], ["--draft-quantize", "int4"],
+                  ["--tree", "8,8", "--temperature", "1"],
                   ["--draft", "ngram:8,64"]):
         chosen, why = target(*asked)
         assert chosen == "embedded" and f"({asked[0]} " in why, asked

@@ -100,6 +100,23 @@ def test_quantized_target_through_the_cli(capsys, gemma_dir, llama_dir):
     assert code == 2 and "--quantize int4" in err and "gemma3_text" in err
 
 
+def test_the_8_bit_head_through_the_cli(capsys, gemma_dir, llama_dir):
+    """--quantize int8-head runs in bf16 and in float32 (--exact: T=0 speculation token-identical to its own plain
+    decoding), says so in the statistics, and is refused with the eager runner and a model the fast path does not
+    cover."""
+    code, plain, err = _run_bf16(capsys, gemma_dir, "--plain", "--quantize", "int8-head")
+    assert code == 0, err
+    assert plain["statistics"]["quantize"] == "int8-head" and plain["statistics"]["runner"] == "fast"
+    code, plain32, err = _run(capsys, gemma_dir, "--plain", "--quantize", "int8-head")  # --exact: float32
+    assert code == 0, err
+    code, spec32, err = _run(capsys, gemma_dir, "--draft", "ngram", "--quantize", "int8-head")
+    assert code == 0 and spec32["token_ids"] == plain32["token_ids"], err
+    code, _, err = _run_bf16(capsys, gemma_dir, "--plain", "--quantize", "int8-head", "--runner", "eager")
+    assert code == 2 and "--quantize int8-head" in err and "--runner eager" in err, err
+    code, _, err = _run_bf16(capsys, llama_dir, "--plain", "--quantize", "int8-head")
+    assert code == 2 and "--quantize int8-head" in err and "gemma3_text" in err
+
+
 def test_draft_quantize_puts_a_head_on_4_bit_weights_through_the_cli(capsys, gemma_dir, tmp_path, monkeypatch):
     """--draft-quantize int4 drafts with a head on 4-bit weights (bf16): it runs, emits every token and the head it
     drafted with is on 4-bit weights (without the flag: packed bf16 or plain); a drafter that is not a head, plain

@@ -215,6 +215,8 @@ def test_cli_refuses_a_device_it_cannot_use(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert cli_main(["generate", "hi", "--device", "cuda", "--quantize", "int4", "--dtype", "bfloat16"]) == 2
     assert "int4 CPU kernel" in capsys.readouterr().err
+    assert cli_main(["generate", "hi", "--device", "cuda", "--quantize", "int8-head", "--dtype", "float32"]) == 2
+    assert "int8 CPU kernel" in capsys.readouterr().err
     assert cli_main(["generate", "hi", "--target", "embedded-gguf", "--device", "cuda"]) == 2
     assert "--device applies to PyTorch targets" in capsys.readouterr().err
 

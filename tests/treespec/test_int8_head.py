@@ -20,8 +20,9 @@ import torch
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.fast import FastGemmaRunner, make_runner
-from treespec.models.fast.int8_head import (Int8Head, calibration_ids, int8_head_logits, int8_head_reference,
-                                            int8_kernel_missing, plan_int8_head, quantize_int8_head)
+from treespec.models.fast.int8_head import (Int8Head, activation_codes, calibration_ids, int8_head_logits,
+                                            int8_head_reference, int8_kernel_missing, plan_int8_head,
+                                            quantize_int8_head, weight_codes)
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 from treespec.tree import TokenTree
@@ -74,11 +75,38 @@ def test_the_8_bit_head_is_close_to_the_float_head():
 
 
 def test_a_row_does_not_depend_on_the_other_rows():
+    """Bit for bit (per-row activation scales, integer sums, outlier products of one fixed shape): a row's logits in
+    a tree pass are those of the same row alone, whatever the other rows are and wherever it sits."""
     weight, act, h = random_head()
     head = quantize_int8_head(weight, plan_int8_head(weight, act))
+    h = torch.cat([h, h * 3, h[:3]])  # 17 rows: more than one outlier block
     together = int8_head_logits(h, head)
     alone = torch.cat([int8_head_logits(h[i:i + 1], head) for i in range(h.shape[0])])
-    torch.testing.assert_close(alone, together, rtol=1e-6, atol=1e-5)
+    assert torch.equal(alone, together)
+    order = torch.randperm(h.shape[0], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(int8_head_logits(h[order], head), together[order])
+
+
+def test_codes_rebuild_the_smoothed_weights_and_activations_within_half_a_step():
+    """The codes on their own: within -127..127, each row using its full range, and codes x scale / smoothing
+    giving back ``W[:, K]`` and ``h[:, K]`` to half a step (so the smoothing is undone on the side it was put on)."""
+    weight, act, h = random_head()
+    plan = plan_int8_head(weight, act)
+    codes, c = weight_codes(weight, plan)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert torch.equal(codes.abs().amax(1), torch.full((weight.shape[0],), 127, dtype=torch.int8))
+    back = codes.float() * c[:, None] / plan.smooth
+    assert ((back - weight[:, plan.kept]).abs() <= (c[:, None] / plan.smooth) * 0.5 + 1e-7).all()
+    xcodes, row_range = activation_codes(h, plan)
+    step = row_range / 127 * plan.smooth  # [R, H - k]
+    assert ((xcodes * step - h[:, plan.kept]).abs() <= step * 0.5 + 1e-6).all()
+    assert torch.equal(xcodes.abs().amax(1), torch.full((h.shape[0],), 127.0))
+
+
+def test_an_all_zero_row_gives_zero_logits_not_nan():
+    weight, act, _ = random_head()
+    head = quantize_int8_head(weight, plan_int8_head(weight, act))
+    assert torch.equal(int8_head_logits(torch.zeros(2, 48), head), torch.zeros(2, 96))
 
 
 def test_the_plan_keeps_the_largest_ranges_in_float32_and_smooths_the_rest():
@@ -162,6 +190,26 @@ def test_speculation_reproduces_its_own_plain_decoding():
     plain = generate(runner, prompt, None, GREEDY)
     spec = generate(runner, prompt, NgramDrafter(NgramConfig(depth=4, branches=2)), GREEDY)
     assert spec.token_ids == plain.token_ids
+
+
+def test_a_small_cache_grows_for_the_calibration_and_serves_generation_after():
+    """The calibration pass (256 tokens) outgrows a 16-slot cache; the grown cache still takes a generation."""
+    runner = FastGemmaRunner(gemma(), capacity=16, quantize="int8-head")
+    with torch.no_grad():
+        out = generate(runner, [1, 2, 3, 4], None, GREEDY)
+    assert len(out.token_ids) == GREEDY.max_new_tokens
+
+
+def test_weight_streaming_counts_the_8_bit_head():
+    from treespec.calibration import measure_weight_stream, runner_weights
+
+    model = gemma(dtype=torch.bfloat16)
+    runner = FastGemmaRunner(model, quantize="int8-head")
+    _, q_bytes = measure_weight_stream(runner_weights(runner), repeats=1)
+    vocab, hidden = model.lm_head.weight.shape
+    head_bytes = vocab * (hidden - 16) + 4 * vocab + 4 * 16 * vocab  # codes, scales, float32 outlier columns
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - vocab * hidden
+    assert head_bytes + 2 * body <= q_bytes < head_bytes + 2 * body + 4 * 64 * 1024
 
 
 def test_refusals_name_the_problem():

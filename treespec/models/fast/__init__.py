@@ -20,7 +20,8 @@ from .quant import QUANTIZE_MODES, TARGET_QUANTIZE_MODES
 def make_runner(model, fast: bool = False, quantize: str | None = None) -> ModelRunner:
     """The runner of ``model``: the fast lean forward where it covers the model (``fast=True``),
     else the eager Hugging Face reference runner. A runner passed in is returned as it is.
-    ``quantize`` (``"int4"``, :mod:`.quant`; ``"int8-head"``, :mod:`.int8_head`) needs the fast path and refuses other models."""
+    ``quantize`` (``"int4"``, :mod:`.quant`; ``"int8-head"``, :mod:`.int8_head`) needs the fast path and
+    refuses other models."""
     if isinstance(model, ModelRunner):
         return model
     if quantize is not None:
@@ -53,5 +54,5 @@ def choose_runner(model, choice: str = "auto", quantize: str = "none") -> ModelR
     return make_runner(model, fast=choice != "eager")
 
 
-__all__ = ["QUANTIZE_MODES", "TARGET_QUANTIZE_MODES", "FastGemmaRunner", "GraphedGemmaRunner", "choose_runner", "fast_supported",
-           "make_runner"]
+__all__ = ["QUANTIZE_MODES", "TARGET_QUANTIZE_MODES", "FastGemmaRunner", "GraphedGemmaRunner", "choose_runner",
+           "fast_supported", "make_runner"]

@@ -52,7 +52,8 @@ from ..features import join_features
 from ..runner import CacheBook, ModelRunner
 from .allocator import keep_large_allocations
 from .packed import pack_weight, packed_linear, prepack_default
-from .int8_head import calibration_ids, int8_head_logits, plan_int8_head, quantize_int8_head
+from .int8_head import (CALIBRATION_TOKENS, OUTLIERS, calibration_ids, int8_head_logits, plan_int8_head,
+                        quantize_int8_head)
 from .quant import TARGET_QUANTIZE_MODES, int4_linear, quantize_int4
 from .static_cache import StaticKVCache
 
@@ -212,11 +213,13 @@ class FastGemmaRunner(ModelRunner):
         if self.device.type != "cpu":
             raise ValueError(f"quantize='int8-head' runs on oneDNN's int8 CPU kernel; the model is on {self.device}")
         self.reset()
-        with torch.inference_mode():
-            ids = calibration_ids(self.lm_head.shape[0]).to(self.device)
+        n = min(CALIBRATION_TOKENS, self.max_positions or CALIBRATION_TOKENS)
+        with torch.no_grad():  # not inference_mode: the cache may grow here, and later passes write into it
+            ids = calibration_ids(self.lm_head.shape[0], n).to(self.device)
             hidden = self.forward(None, None, chain=ids, need_logits=False, need_hidden=True)["hidden"]  # [n, H]
         self.reset()
-        return quantize_int8_head(self.lm_head, plan_int8_head(self.lm_head, hidden.float().abs().amax(0)))
+        outliers = min(OUTLIERS, self.lm_head.shape[1] // 4)  # a small test model keeps most columns on 8 bits
+        return quantize_int8_head(self.lm_head, plan_int8_head(self.lm_head, hidden.float().abs().amax(0), outliers))
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -337,7 +340,7 @@ class FastGemmaRunner(ModelRunner):
             raw = int8_head_logits(hidden, self.head8)  # float32 already
         else:
             raw = self.linear(hidden, self.lm_head_weight)
-        if not self.softcap:  # the check reads the model-dtype logits (half the bytes; same verdict)
+        if not self.softcap:  # the check reads the raw logits (model dtype, or float32 from the 8-bit head)
             check_finite(raw, type(self.model).__name__)
         logits = raw.float()
         if self.softcap:

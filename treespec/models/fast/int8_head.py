@@ -21,7 +21,8 @@ with
 The activation ranges come from the model itself, without data: the final hidden states of
 ``CALIBRATION_TOKENS`` seeded random token ids. A quantised head makes another model; speculative decoding is
 lossless with respect to it, and its own plain decoding is the baseline. How far it is from the float32 model,
-beside llama.cpp's Q8_0 head, is measured by ``benchmarks/profile_int8_head.py``.
+beside the whole GGUF model in llama.cpp (8-bit activations in every product), is measured by
+``benchmarks/profile_int8_head.py``.
 :func:`int8_head_reference` is the slow, obvious float64 formula the fast product is tested against.
 """
 
@@ -40,7 +41,11 @@ CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
 #: the oneDNN ops the head calls
 INT8_OPS = ("qlinear_prepack", "qlinear_pointwise")
+#: rows per float32 product of the outlier columns: every product has this shape (zero rows padded), so a row's
+#: value does not depend on how many rows its pass has (a product of another shape may sum in another order)
+OUTLIER_BLOCK = 8
 _ZERO_POINT = 128  # uint8 activations: code + 128
+_TINY = 1e-30  # the least range a row is divided by (an all-zero row gives zero codes, not NaN)
 
 
 def int8_kernel_missing() -> str | None:
@@ -86,22 +91,18 @@ def plan_int8_head(weight: torch.Tensor, act_range: torch.Tensor, outliers: int 
 class Int8Head:
     """A ``[V, H]`` LM head in the form of :func:`int8_head_logits` (build it with :func:`quantize_int8_head`)."""
 
-    packed: torch.Tensor  # oneDNN-packed int8 codes of the smoothed kept columns
+    packed: torch.Tensor  # oneDNN-packed int8 codes of the smoothed kept columns (opaque to torch)
     scales: torch.Tensor  # [V] float32: c
     zero_points: torch.Tensor  # [V] int64 zeros (symmetric weights)
     outlier_weight: torch.Tensor  # [k, V] float32: W[:, O].T
     plan: Int8HeadPlan
     vocab: int
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.outlier_weight))
-
 
 def weight_codes(weight: torch.Tensor, plan: Int8HeadPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``[V, H]`` weight -> (codes ``[V, H - k]`` int8 of the smoothed kept columns, scales ``[V]`` float32)."""
     smoothed = weight.detach().float()[:, plan.kept] * plan.smooth  # [V, H - k]
-    scales = (smoothed.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [V]
+    scales = (smoothed.abs().amax(1) / 127).clamp_min(_TINY)  # [V]
     codes = torch.round(smoothed / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return codes, scales
 
@@ -124,7 +125,7 @@ def quantize_int8_head(weight: torch.Tensor, plan: Int8HeadPlan) -> Int8Head:
 def activation_codes(hidden: torch.Tensor, plan: Int8HeadPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden`` ``[R, H]`` -> (codes ``[R, H - k]`` float32 in -127..127, row ranges ``[R, 1]`` = 127 s)."""
     x = hidden.float()[:, plan.kept] / plan.smooth  # [R, H - k]
-    rng = x.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # [R, 1]
+    rng = x.abs().amax(1, keepdim=True).clamp_min(_TINY)  # [R, 1]
     return torch.round(x * (127 / rng)), rng
 
 
@@ -136,17 +137,33 @@ def int8_head_logits(hidden: torch.Tensor, head: Int8Head) -> torch.Tensor:
                                              head.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
     out.mul_(rng)  # [R, V]
     if head.outlier_weight.shape[0]:
-        out.addmm_(hidden.float()[:, head.plan.outliers], head.outlier_weight)
+        out += _outlier_term(hidden.float()[:, head.plan.outliers], head.outlier_weight)
     return out
 
 
+def _outlier_term(h_out: torch.Tensor, outlier_weight: torch.Tensor) -> torch.Tensor:
+    """``h_out`` ``[R, k]`` @ ``outlier_weight`` ``[k, V]`` in products of :data:`OUTLIER_BLOCK` rows each."""
+    rows = h_out.shape[0]
+    padded = h_out.new_zeros(-(-rows // OUTLIER_BLOCK) * OUTLIER_BLOCK, h_out.shape[1])
+    padded[:rows] = h_out
+    blocks = [block @ outlier_weight for block in padded.split(OUTLIER_BLOCK)]  # each [OUTLIER_BLOCK, V]
+    return torch.cat(blocks)[:rows] if len(blocks) > 1 else blocks[0][:rows]
+
+
 def int8_head_reference(hidden: torch.Tensor, weight: torch.Tensor, plan: Int8HeadPlan) -> torch.Tensor:
-    """The same logits as :func:`int8_head_logits`, in float64, from the formula (slow; for tests)."""
-    codes_w, scales = weight_codes(weight, plan)
-    codes_x, rng = activation_codes(hidden, plan)
-    main = (codes_x.double() @ codes_w.double().t()) * (rng.double() / 127) * scales.double()
-    h, w = hidden.double(), weight.detach().double()
-    return main + h[:, plan.outliers] @ w[:, plan.outliers].t()
+    """The same logits as :func:`int8_head_logits` from the module's formula, written out on its own (codes in
+    float32 as the fast path makes them, products in float64; slow, for tests)."""
+    k, m = plan.kept, plan.smooth
+    w = weight.detach().float()
+    w_kept = w[:, k] * m  # [V, H - k]: W[:, K] * m
+    c = torch.clamp(w_kept.abs().amax(1) / 127, min=_TINY)  # [V]
+    code_w = torch.clamp(torch.round(w_kept / c[:, None]), -127, 127)
+    x = hidden.float()[:, k] / m  # [R, H - k]
+    row_range = torch.clamp(x.abs().amax(1), min=_TINY)  # [R]: 127 s
+    code_x = torch.round(x * (127 / row_range[:, None]))
+    main = (code_x.double() @ code_w.double().t()) * (row_range.double()[:, None] / 127) * c.double()[None, :]
+    o = plan.outliers
+    return main + hidden.double()[:, o] @ weight.detach().double()[:, o].t()
 
 
 def calibration_ids(vocab: int, n: int = CALIBRATION_TOKENS, seed: int = CALIBRATION_SEED) -> torch.Tensor:
