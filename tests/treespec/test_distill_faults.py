@@ -160,15 +160,10 @@ def test_corpus_survives_kill_9(target, tmp_path):
     files = sorted(p.name for p in ref.iterdir())
     assert len(files) >= 5, files  # several shards: kills land between and inside writes
     interrupted, partial, mid_write = 0, 0, 0
-    # TRIALS kills at seeded times over the whole run; then, while fewer than 3 landed after the first shard (a
-    # slow start of the forked child can push most of them before it), up to TRIALS more in the run's second half
-    for seed in range(2 * TRIALS):
-        if seed >= TRIALS and partial >= 3:
-            break
+    for seed in range(TRIALS):
         out = tmp_path / f"trial-{seed}"
-        low = 0.0 if seed < TRIALS else 0.5
         interrupted += killed_run(lambda: build_corpus(target, seqs(), out, OPTS, progress=False),
-                                  random.Random(seed).uniform(low * wall, 1.1 * wall))
+                                  random.Random(seed).uniform(0, 1.1 * wall))
         mid_write += bool(temporaries(out)) if out.exists() else 0
         if (out / "manifest.json").exists() and not json.loads((out / "manifest.json").read_text())["complete"]:
             partial += 1
@@ -179,12 +174,16 @@ def test_corpus_survives_kill_9(target, tmp_path):
         for name in files:
             if name.endswith(".safetensors"):
                 assert (out / name).read_bytes() == (ref / name).read_bytes(), (seed, name)
-    print(f"corpus: {interrupted} runs killed, {partial} with a partial corpus, {mid_write} mid-write")
-    assert interrupted >= TRIALS // 2 and partial >= 3, (interrupted, partial)
+    print(f"corpus: {interrupted} of {TRIALS} runs killed, {partial} with a partial corpus, {mid_write} mid-write")
+    # the seeded kills' times depend on the host (CI saw 1 to 2 of 20 land after the first shard): the kills at
+    # chosen writes below leave partial corpora on every host
+    assert interrupted >= TRIALS // 2, (interrupted, partial)
     for nth, half in WRITE_KILLS:
         out = tmp_path / f"write-{nth}"
         killed_at_write(lambda: build_corpus(target, seqs(), out, OPTS, progress=False), nth, half)
         assert temporaries(out), nth
+        if nth > 1:  # a shard and the manifest were written before this write: a partial corpus to resume
+            assert not json.loads((out / "manifest.json").read_text())["complete"], nth
         build_corpus(target, seqs(), out, OPTS, progress=False)
         assert sorted(p.name for p in out.iterdir()) == files, nth
         assert _manifest(out) == _manifest(ref), nth
