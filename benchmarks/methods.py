@@ -82,6 +82,9 @@ ROWS: tuple[Row, ...] = (
     Row("ts_lookup_head_int8h", "ts_int8h", "lookup+head"),
     Row("ts_ngram_tree", "ts", drafter="ngram", settings=(("depth", 8), ("branches", 4), ("max_nodes", 16))),
     Row("ts_online_ngram", "ts", drafter="online_ngram", settings=(("depth", 8), ("branches", 1), ("adaptive", True))),
+    # lookup+head with deeper adaptive n-gram chains (the default's lookup stops at 8: treespec.drafters.LOOKUP)
+    Row("ts_lookup12_head", "ts", drafter="lookup_head", settings=(("depth", 12), ("branches", 1), ("adaptive", True))),
+    Row("ts_lookup16_head", "ts", drafter="lookup_head", settings=(("depth", 16), ("branches", 1), ("adaptive", True))),
     Row("ts_head_dyspec", "ts", drafter="dyspec", settings=(("budget", 8), ("max_depth", 4))),
     Row("ts_head_eagle2", "ts", drafter="eagle2", settings=(("num_nodes", 8), ("top_k", 4), ("depth", 4))),
     Row("ts_online_head", "ts", drafter="online_head"),
@@ -308,6 +311,18 @@ def _eagle2(targets: "Targets", settings: dict):
     return (lambda t: Eagle2Drafter(head, **settings)), None
 
 
+def _lookup_head(targets: "Targets", settings: dict):
+    from treespec.drafters import build_drafter
+    from treespec.drafting.compose import FirstOf
+    from treespec.drafting.ngram import NgramConfig, NgramDrafter
+
+    def lookup_head(t: float) -> FirstOf:  # `--draft lookup+head` with another n-gram lookup in front
+        head = build_drafter("head", targets.model, temperature=t)
+        return FirstOf(NgramDrafter(NgramConfig(**settings)), head)
+
+    return lookup_head, None
+
+
 def _online_head(targets: "Targets", settings: dict):
     from treespec.drafters import build_drafter
     from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
@@ -337,6 +352,7 @@ CUSTOM_DRAFTERS: dict[str, CustomDrafter] = {
     "online_ngram": CustomDrafter("OnlineNgramDrafter", "", True, _online_ngram),
     "dyspec": CustomDrafter("DySpecDrafter", "the shipped head", False, _dyspec),
     "eagle2": CustomDrafter("Eagle2Drafter", "the shipped head", False, _eagle2),
+    "lookup_head": CustomDrafter("FirstOf(NgramDrafter, --draft head)", "", False, _lookup_head),
     "online_head": CustomDrafter("OnlineHeadDrafter", "the drafter of --draft head at each temperature", True,
                                  _online_head),
     "medusa": CustomDrafter("ShapeDrafter", "the shipped Medusa heads", False, _medusa),
