@@ -273,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-depth", type=int, default=10)
+    ap.add_argument("--min-confidence", type=float, default=0.0,
+                    help="the model builders' confidence rule: a drafted token grows (and, with deterministic "
+                         "candidates, is proposed) only at this draft probability or more (0: none)")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--runner", choices=["auto", "fast", "eager"], default="auto",
                     help="the target's forward in every row, plain decoding included (as `treespec generate --runner`)")
@@ -310,6 +313,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--calib-generated-only needs --calib-continue N (generated tokens to score)")
     if not 0 <= args.calib_continue < args.calib_max_len:
         ap.error("--calib-continue must be >= 0 and below --calib-max-len")
+    if not 0.0 <= args.min_confidence < 1.0:
+        ap.error(f"--min-confidence must be in [0, 1), got {args.min_confidence}")
     if args.quick:
         args.per_subtask, args.max_new_tokens, args.budgets = 1, 16, "8,16"
         args.calib_prompts = min(args.calib_prompts, 8)
@@ -416,8 +421,9 @@ def measure(runner, draft, vocab: int, prompts_ids: list[list[int]], builders: l
     for t in temps:
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(t), stop_on_eos=False)
         for b in budgets:
-            makers = {name: (lambda name=name, b=b: build_tree_drafter(name, draft, b, vocab=vocab, acc=accs.get(t), max_depth=args.max_depth))
-                      for name in builders}
+            makers = {name: (lambda name=name, b=b: build_tree_drafter(
+                name, draft, b, vocab=vocab, acc=accs.get(t), max_depth=args.max_depth,
+                min_confidence=args.min_confidence)) for name in builders}
             serving = {}
             for name, make in makers.items():
                 drafter = make()

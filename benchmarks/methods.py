@@ -87,6 +87,11 @@ ROWS: tuple[Row, ...] = (
     Row("ts_lookup16_head", "ts", drafter="lookup_head", settings=(("depth", 16), ("branches", 1), ("adaptive", True))),
     Row("ts_head_dyspec", "ts", drafter="dyspec", settings=(("budget", 8), ("max_depth", 4))),
     Row("ts_head_eagle2", "ts", drafter="eagle2", settings=(("num_nodes", 8), ("top_k", 4), ("depth", 4))),
+    # the dynamic builders with the shipped head's confidence rule (its measured 0.2, as --draft head uses)
+    Row("ts_head_dyspec_c02", "ts", drafter="dyspec", settings=(("budget", 8), ("max_depth", 4),
+                                                                ("min_confidence", 0.2))),
+    Row("ts_head_eagle2_c02", "ts", drafter="eagle2", settings=(("num_nodes", 8), ("top_k", 4), ("depth", 4),
+                                                                ("min_confidence", 0.2))),
     Row("ts_online_head", "ts", drafter="online_head"),
     Row("ts_early_exit", "ts", ASSISTANT),
     Row("ts_medusa", "ts", drafter="medusa", settings=(("paths", ((0,), (1,), (0, 0))), ("law", "deterministic"),

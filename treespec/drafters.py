@@ -289,31 +289,34 @@ def specinfer_widths(budget: int) -> tuple[int, ...]:
 
 
 def build_tree_drafter(builder: str, draft, budget: int, *, vocab: int | None = None,
-                       acc: list[float] | None = None, max_depth: int = 8) -> Drafter:
+                       acc: list[float] | None = None, max_depth: int = 8, min_confidence: float = 0.0) -> Drafter:
     """Tree builder ``builder`` of :data:`TREE_BUILDERS` drafting ``budget`` nodes (at most ``max_depth`` deep)
-    with ``draft``; ``acc``: the acceptance rows of ``sequoia``; ``vocab``: the target's vocabulary."""
+    with ``draft``; ``acc``: the acceptance rows of ``sequoia``; ``vocab``: the target's vocabulary;
+    ``min_confidence``: the draft builders' confidence rule (:class:`~treespec.drafting.stopping.ConfidenceStop`;
+    0: none; n-gram lookup has no draft probabilities and ignores it)."""
     law = "without_replacement"
+    conf = {"min_confidence": min_confidence}
     if builder == "ngram":
         return NgramDrafter(NgramConfig(depth=min(8, budget), branches=max(1, math.ceil(budget / 8)),
                                         max_nodes=budget))
     if builder == "chain":
-        return ShapeDrafter(draft, TreeShape.chain(min(budget, max_depth)), law, vocab)
+        return ShapeDrafter(draft, TreeShape.chain(min(budget, max_depth)), law, vocab, **conf)
     if builder == "specinfer":
-        return ShapeDrafter(draft, TreeShape.widths(specinfer_widths(budget)), law, vocab)
+        return ShapeDrafter(draft, TreeShape.widths(specinfer_widths(budget)), law, vocab, **conf)
     if builder == "spectr":
         return ShapeDrafter(draft, TreeShape.independent_chains(4, max(1, min(budget // 4, max_depth))), "iid",
-                            vocab)
+                            vocab, **conf)
     if builder == "sequoia":
-        return ShapeDrafter(draft, SequoiaDP(acc, budget, max_depth).shape(budget, max_depth), law, vocab)
+        return ShapeDrafter(draft, SequoiaDP(acc, budget, max_depth).shape(budget, max_depth), law, vocab, **conf)
     if builder == "dyspec":
-        return DySpecDrafter(draft, budget, max_depth, target_vocab_size=vocab)
+        return DySpecDrafter(draft, budget, max_depth, target_vocab_size=vocab, **conf)
     if builder == "dyspec_threshold":
-        return DySpecDrafter(draft, budget, max_depth, variant="threshold", target_vocab_size=vocab)
+        return DySpecDrafter(draft, budget, max_depth, variant="threshold", target_vocab_size=vocab, **conf)
     if builder == "eagle2":
-        return Eagle2Drafter(draft, budget, top_k=min(8, budget), depth=max_depth, target_vocab_size=vocab)
+        return Eagle2Drafter(draft, budget, top_k=min(8, budget), depth=max_depth, target_vocab_size=vocab, **conf)
     if builder == "merged":
         extra = max(1, budget // 4)
         return MergedDrafter(Eagle2Drafter(draft, budget - extra, top_k=min(8, budget), depth=max_depth,
-                                           target_vocab_size=vocab),
+                                           target_vocab_size=vocab, **conf),
                              NgramConfig(depth=min(8, extra), branches=2, max_nodes=extra))
     raise ValueError(f"unknown tree builder {builder!r}; expected one of {TREE_BUILDERS}")

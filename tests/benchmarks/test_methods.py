@@ -57,7 +57,9 @@ def test_variant_rows_and_baselines_keep_the_build_order():
     assert names == ["ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_int4", "ts_head_bf16",
                      "ts_head_chain", "ts_lookup_head", "q4", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4",
                      "ts_plain_int8h", "ts_head_int8h", "ts_lookup_head_int8h",
-                     "ts_ngram_tree", "ts_online_ngram", "ts_lookup12_head", "ts_lookup16_head", "ts_head_dyspec", "ts_head_eagle2", "ts_online_head",
+                     "ts_ngram_tree", "ts_online_ngram", "ts_lookup12_head", "ts_lookup16_head", "ts_head_dyspec",
+                     "ts_head_eagle2", "ts_head_dyspec_c02",
+                     "ts_head_eagle2_c02", "ts_online_head",
                      "ts_early_exit", "ts_medusa", "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain",
                      "llama_prompt_lookup", "tsl_plain", "tsl_ngram", "tsl_head", "tsl_lookup_head",
                      "tsl_ngram_noleaf", "tsl_head_noleaf", "tsl_lookup_head_noleaf"]

@@ -18,8 +18,10 @@ def test_bench_trees_tiny_quick(tmp_path, dtype):
     from benchmarks import bench_trees
 
     out = tmp_path / "trees"
+    conf = ["--min-confidence", "0.2"] if dtype == "bfloat16" else []  # the model builders' confidence rule
     assert bench_trees.main(["--tiny", "--quick", "--dtype", dtype, "--threads", "1", "--builders",
-                             "ngram,sequoia,eagle2", "--calib-prompts", "2", "--allow-dirty", "--out", str(out)]) == 0
+                             "ngram,sequoia,eagle2", "--calib-prompts", "2", "--allow-dirty", "--out", str(out),
+                             *conf]) == 0
     prov = json.loads((out / "provenance.json").read_text())
     res = json.loads((out / "results.json").read_text())
     assert prov["complete"] and res["meta"]["complete"] and res["meta"]["dtype"] == dtype
@@ -27,6 +29,16 @@ def test_bench_trees_tiny_quick(tmp_path, dtype):
     assert seen == {(b, t) for b in ("plain", "ngram", "sequoia", "eagle2") for t in (0.0, 1.0)}
     assert all(r["tau"] >= 1.0 for r in res["results"])
     assert (out / "results.png").exists()
+
+
+@pytest.mark.parametrize("value", ["1.0", "-0.1", "nan"])
+def test_bench_trees_refuses_a_confidence_outside_0_1(tmp_path, value, capsys):
+    from benchmarks import bench_trees
+
+    with pytest.raises(SystemExit) as exc:
+        bench_trees.main(["--tiny", "--quick", "--min-confidence", value, "--allow-dirty", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--min-confidence must be in [0, 1)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.gemma

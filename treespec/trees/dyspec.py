@@ -42,6 +42,7 @@ import torch
 
 from ..drafting.base import Draft, DraftState
 from ..drafting.laws import top_order
+from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision
 from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import TokenTree
 from .common import DraftLogits, RunnerDrafter
@@ -63,12 +64,20 @@ class DySpecDrafter(RunnerDrafter):
     law : "without_replacement" (default; verify with ``rrs_without_replacement``) or
         "deterministic" (q's tokens in decreasing order; verify with ``deterministic``). At
         temperature 0 the law is "deterministic" and slot values use the draft's softmax at T = 1.
+    min_confidence : a drawn child grows only if the draft gives it at least this probability; with
+        deterministic candidates one below it is not proposed (a
+        :class:`~treespec.drafting.stopping.ConfidenceStop`; 0: none).
+    stop : another stopping rule instead (e.g. :class:`~treespec.drafting.stopping.PredictedStop`); not with
+        ``min_confidence``.
     """
 
     def __init__(self, model, budget: int = 16, max_depth: int | None = None, *, variant: str = "heap",
                  threshold: float | None = None, law: str = "without_replacement",
-                 target_vocab_size: int | None = None) -> None:
+                 target_vocab_size: int | None = None, min_confidence: float = 0.0,
+                 stop: ConfidenceStop | PredictedStop | None = None) -> None:
         super().__init__(model, target_vocab_size)
+        if stop is not None and min_confidence != 0.0:
+            raise ValueError("give min_confidence or a stopping rule, not both")
         if budget < 1:
             raise ValueError("budget must be >= 1")
         if variant not in VARIANTS:
@@ -81,14 +90,18 @@ class DySpecDrafter(RunnerDrafter):
         self.variant = variant
         self.threshold = 1.0 / budget if threshold is None else threshold
         self.draft_law = law
+        self.stop = stop if stop is not None or min_confidence == 0.0 else ConfidenceStop(float(min_confidence))
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic" if sampling.greedy else self.draft_law
 
     # ------------------------------------------------------------------ per-node draws
     def _draws(self, draft: DraftLogits, sampling: SamplingConfig, law: str, limit: int,
-               generator: torch.Generator | None) -> tuple[torch.Tensor | None, list[list[int]], list[list[float]]]:
-        """For each row: q ``[M, V]`` (or None), its tokens in draw order (at most ``limit``), their q values.
+               generator: torch.Generator | None, nodes: list[int]
+               ) -> tuple[torch.Tensor | None, list[list[int]], list[list[float]], list[list[bool]], list[list[float]]]:
+        """For each row (of tree ``nodes``): q ``[M, V]`` (or None), its tokens in draw order (at most ``limit``;
+        with deterministic candidates, up to the first one the stopping rule does not keep), their q values,
+        whether each grows and its predicted path acceptance (1.0 where the rule tracks none).
 
         Selection and draws run on the draft's own columns (its vocabulary subset, for a head)."""
         logits = draft.logits
@@ -106,15 +119,40 @@ class DySpecDrafter(RunnerDrafter):
             keys, toks = torch.topk(keys, k, dim=-1, largest=False, sorted=True)
             vals = q.gather(1, toks)
             keep = torch.isfinite(keys)  # the support of q ends the draws
+        decision = self._decide(draft, sampling, law, q, toks, nodes)
         toks = draft.token_ids(toks)
         q = None if q is None else draft.spread(q)  # [M, V] for the verifier
-        host = torch.cat([toks.double(), vals.double(), keep.double()], dim=1).tolist()  # one host sync
-        tok_lists, val_lists = [], []
+        parts = [toks.double(), vals.double(), keep.double()]
+        if decision is not None:
+            parts += [decision.keep.double(), decision.grow.double()]
+            parts += [decision.path_accept.double()] if decision.path_accept is not None else []
+        host = torch.cat(parts, dim=1).tolist()  # one host sync
+        tok_lists, val_lists, grow_lists, accept_lists = [], [], [], []
         for row in host:
-            n = int(sum(row[2 * k:]))
+            n = int(sum(row[2 * k:3 * k]))
+            if decision is not None:
+                kept = row[3 * k:3 * k + n]
+                if law != "deterministic" and not all(kept):
+                    raise RuntimeError("a stopping rule dropped a sampled child: the children's law would no "
+                                       "longer be the one the verifier assumes")
+                n = kept.index(0.0) if 0.0 in kept else n  # ranks fall: the later candidates are not kept either
             tok_lists.append([int(t) for t in row[:n]])
             val_lists.append(row[k:k + n])
-        return q, tok_lists, val_lists
+            grow_lists.append([bool(g) for g in row[4 * k:4 * k + n]] if decision is not None else [True] * n)
+            accept_lists.append(row[5 * k:5 * k + n] if len(row) > 5 * k else [1.0] * n)
+        return q, tok_lists, val_lists, grow_lists, accept_lists
+
+    def _decide(self, draft: DraftLogits, sampling: SamplingConfig, law: str, q: torch.Tensor | None,
+                columns: torch.Tensor, nodes: list[int]) -> StopDecision | None:
+        """The stopping rule's verdict on the draws ``columns`` ``[M, k]`` of ``nodes``' rows (None without one):
+        on the draft's softmax for deterministic candidates, on q for sampled ones."""
+        if self.stop is None:
+            return None
+        device = columns.device
+        probs = torch.softmax(draft.logits.float(), dim=-1) if q is None else q  # [M, Vs]
+        parent = torch.tensor([self._accept[u] for u in nodes], device=device) if self.stop.tracks_path else None
+        depth = torch.tensor([self._depth[u] for u in nodes], device=device) if self.stop.tracks_path else None
+        return self.stop.decide(law == "deterministic", probs, columns, draft.feature, parent, depth)
 
     # ------------------------------------------------------------------ proposal
     def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
@@ -125,7 +163,8 @@ class DySpecDrafter(RunnerDrafter):
         self._chain = self._pending_chain(state)
         self._parents, self._tokens = [-1], [state.tokens[-1]]
         self._depth, self._value = [0], [1.0]
-        self._cands: dict[int, tuple[list[int], list[float]]] = {}
+        self._grows, self._accept = [True], [1.0]  # per node: may it get children; its predicted path acceptance
+        self._cands: dict[int, tuple[list[int], list[float], list[bool], list[float]]] = {}
         self._rows: dict[int, torch.Tensor] = {}
         self._drawn: dict[int, int] = {}
         self._mass: dict[int, float] = {}
@@ -148,18 +187,18 @@ class DySpecDrafter(RunnerDrafter):
     def _forward_nodes(self, nodes: list[int], law: str, sampling: SamplingConfig,
                        generator: torch.Generator | None, limit: int) -> None:
         tree = TokenTree.from_lists(self._parents, self._tokens, law, self.runner.device)
-        draft = self._forward(tree, nodes, self._chain)
+        draft = self._forward(tree, nodes, self._chain, self.stop is not None and self.stop.needs_feature)
         self._chain = None
-        q, toks, vals = self._draws(draft, sampling, law, limit, generator)
+        q, toks, vals, grows, accept = self._draws(draft, sampling, law, limit, generator, nodes)
         for r, node in enumerate(nodes):
-            self._cands[node] = (toks[r], vals[r])
+            self._cands[node] = (toks[r], vals[r], grows[r], accept[r])
             self._drawn[node], self._mass[node] = 0, 0.0
             if q is not None:
                 self._rows[node] = q[r]
 
     def _draw_child(self, u: int) -> int | None:
         """Reveal u's next draw as a new node (None if u's draws are exhausted)."""
-        toks, vals = self._cands[u]
+        toks, vals, grows, accept = self._cands[u]
         j = self._drawn[u]
         if j >= len(toks):
             return None
@@ -170,13 +209,15 @@ class DySpecDrafter(RunnerDrafter):
         self._tokens.append(toks[j])
         self._depth.append(self._depth[u] + 1)
         self._value.append(self._value[u] * vals[j])
+        self._grows.append(grows[j])
+        self._accept.append(accept[j])
         return c
 
     def _slot_value(self, u: int) -> float:
         return self._value[u] * max(1.0 - self._mass.get(u, 0.0), 0.0)
 
     def _has_more(self, u: int) -> bool:
-        toks, _ = self._cands[u]
+        toks = self._cands[u][0]
         return self._drawn[u] < len(toks) and self._mass[u] < 1.0
 
     def _grow_heap(self, law: str, sampling: SamplingConfig, generator, max_depth: int) -> None:
@@ -200,7 +241,7 @@ class DySpecDrafter(RunnerDrafter):
             made += 1
             if self._has_more(u):
                 heapq.heappush(heap, (-self._slot_value(u), next(tick), u))
-            if self._depth[c] < max_depth:
+            if self._depth[c] < max_depth and self._grows[c]:
                 heapq.heappush(heap, (-self._value[c], next(tick), c))
 
     def _grow_threshold(self, law: str, sampling: SamplingConfig, generator, max_depth: int) -> None:
@@ -222,7 +263,8 @@ class DySpecDrafter(RunnerDrafter):
                 if c is None:
                     continue
                 made += 1
-                nxt.append(c)
+                if self._grows[c]:
+                    nxt.append(c)
                 if self._has_more(u):
                     heapq.heappush(heap, (-self._slot_value(u), next(tick), u))
             layer = nxt

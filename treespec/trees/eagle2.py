@@ -15,6 +15,14 @@ Only the expanded candidates enter the draft's KV cache (its tree has at most 1 
 nodes); the tree handed to the target is a re-indexed subset of all candidates, and the drafter
 maps accepted nodes back to the runner's indices when committing (unexpanded ones are fed later
 as a committed chain).
+
+Stopping rules (:mod:`~treespec.drafting.stopping`, as in :class:`~treespec.trees.grow.ShapeDrafter`): a
+candidate the rule does not keep is not a candidate (with :class:`~treespec.drafting.stopping.ConfidenceStop`,
+one whose draft probability is below ``min_confidence``; ranks fall, so the later ones are below it too), and
+one it keeps without growing is a candidate that is never expanded (a leaf). The rule reads the draft's
+softmax at temperature 1 (the values' own distribution) and, for a rule that tracks the path
+(:class:`~treespec.drafting.stopping.PredictedStop`), each expanded node's predicted path acceptance. Both
+depend on the draft alone: the tree stays a set of deterministic candidates.
 """
 
 from __future__ import annotations
@@ -23,17 +31,27 @@ import torch
 
 from ..drafting.base import Draft, DraftState
 from ..drafting.laws import top_order
+from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
 from .common import RunnerDrafter
 
 
-def _values_and_ids(values: torch.Tensor, ids: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
-    """``values`` (float) and ``ids`` (int64), both ``[M, k]``, as host lists in one read-back: float64 holds
-    a float32 value and a token id exactly."""
+def _values_and_ids(values: torch.Tensor, ids: torch.Tensor, decision: StopDecision | None = None
+                    ) -> tuple[list[list[float]], list[list[int]], list[list[bool]], list[list[bool]]]:
+    """``values`` (float) and ``ids`` (int64), both ``[M, k]``, and a stopping rule's keep / grow (all True
+    without one), as host lists in one read-back: float64 holds a float32 value and a token id exactly."""
     k = values.shape[1]
-    host = torch.cat([values.double(), ids.double()], dim=1).tolist()
-    return [row[:k] for row in host], [[int(t) for t in row[k:]] for row in host]
+    parts = [values.double(), ids.double()]
+    if decision is not None:
+        parts += [decision.keep.double(), decision.grow.double()]
+    host = torch.cat(parts, dim=1).tolist()
+    vals, kids = [row[:k] for row in host], [[int(t) for t in row[k:2 * k]] for row in host]
+    if decision is None:
+        every = [[True] * k for _ in host]
+        return vals, kids, every, every
+    return vals, kids, [[bool(x) for x in row[2 * k:3 * k]] for row in host], [[bool(x) for x in row[3 * k:]]
+                                                                                for row in host]
 
 
 class Eagle2Drafter(RunnerDrafter):
@@ -45,16 +63,24 @@ class Eagle2Drafter(RunnerDrafter):
     num_nodes : drafted nodes kept after the rerank (the budget, root excluded).
     top_k : children per expanded node and frontier size.
     depth : expansion depth (draft forwards per step).
+    min_confidence : a candidate needs at least this draft probability (a
+        :class:`~treespec.drafting.stopping.ConfidenceStop`; 0: none).
+    stop : another stopping rule instead (e.g. :class:`~treespec.drafting.stopping.PredictedStop`); not with
+        ``min_confidence``.
     """
 
     def __init__(self, model, num_nodes: int = 16, top_k: int = 4, depth: int = 5, *,
-                 target_vocab_size: int | None = None) -> None:
+                 target_vocab_size: int | None = None, min_confidence: float = 0.0,
+                 stop: ConfidenceStop | PredictedStop | None = None) -> None:
         super().__init__(model, target_vocab_size)
         if num_nodes < 1 or top_k < 1 or depth < 1:
             raise ValueError("num_nodes, top_k and depth must be >= 1")
+        if stop is not None and min_confidence != 0.0:
+            raise ValueError("give min_confidence or a stopping rule, not both")
         self.num_nodes = num_nodes
         self.top_k = top_k
         self.depth = depth
+        self.stop = stop if stop is not None or min_confidence == 0.0 else ConfidenceStop(float(min_confidence))
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic"
@@ -67,30 +93,49 @@ class Eagle2Drafter(RunnerDrafter):
         # draft cache, so its tree stays <= 1 + depth * top_k nodes
         parents, tokens, value = [-1], [state.tokens[-1]], [0.0]
         r_parents, r_tokens, to_runner = [-1], [state.tokens[-1]], {0: 0}
+        stop = self.stop
+        tracks = stop is not None and stop.tracks_path
+        path_accept = {0: 1.0}  # candidate -> predicted path acceptance (rules that track one)
         frontier = [0]
         for _ in range(min(self.depth, max(state.max_depth, 0))):
+            if not frontier:
+                break
             for c in frontier:
                 if c not in to_runner:
                     to_runner[c] = len(r_tokens)
                     r_parents.append(to_runner[parents[c]])
                     r_tokens.append(tokens[c])
             tree = TokenTree.from_lists(r_parents, r_tokens, "deterministic", device)
-            draft = self._forward(tree, [to_runner[c] for c in frontier], chain)  # [M, Vs] (a subset for heads)
+            at = [to_runner[c] for c in frontier]
+            need_feature = stop is not None and stop.needs_feature
+            draft = self._forward(tree, at, chain, need_feature)  # [M, Vs] (a subset for heads)
             chain = None
             logp = torch.log_softmax(draft.logits.float(), dim=-1)
             k = min(self.top_k, logp.shape[-1])
             cols = top_order(logp, k)  # [M, k] the k best columns, ties by id (no full-vocabulary sort)
             lp = logp.gather(1, cols)
-            # one host sync per depth: the values and the token ids read back together
-            lp, kids = _values_and_ids(lp, draft.token_ids(cols))
-            start = len(tokens)
+            decision = None
+            if stop is not None:
+                rows = torch.tensor(at, dtype=torch.long, device=device)
+                parent_accept = torch.tensor([path_accept[c] for c in frontier], device=device) if tracks else None
+                decision = stop.decide(True, logp.exp(), cols, draft.feature, parent_accept,
+                                       tree.depths[rows] if tracks else None)
+            # one host sync per depth: the values, token ids and the rule's verdicts read back together
+            lp, kids, keeps, grows = _values_and_ids(lp, draft.token_ids(cols), decision)
+            accept = decision.path_accept.tolist() if tracks else None
+            growing = []
             for r, node in enumerate(frontier):
                 for j in range(k):
+                    if not keeps[r][j]:  # ranks fall: the later candidates are not kept either
+                        break
+                    if grows[r][j]:
+                        growing.append(len(tokens))
+                    if tracks:
+                        path_accept[len(tokens)] = accept[r][j]
                     parents.append(node)
                     tokens.append(kids[r][j])
                     value.append(value[node] + lp[r][j])
-            new = range(start, len(tokens))
-            frontier = sorted(sorted(new, key=lambda i: (-value[i], i))[: self.top_k])
+            frontier = sorted(sorted(growing, key=lambda i: (-value[i], i))[: self.top_k])
         self._flush_chain(chain)
         # rerank: best num_nodes candidates by value (parents rank before their children)
         ranked = sorted(range(1, len(tokens)), key=lambda i: (-value[i], i))
