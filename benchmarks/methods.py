@@ -355,8 +355,8 @@ def _medusa(targets: "Targets", settings: dict):
 CUSTOM_DRAFTERS: dict[str, CustomDrafter] = {
     "ngram": CustomDrafter("NgramDrafter", "", False, _ngram_tree),
     "online_ngram": CustomDrafter("OnlineNgramDrafter", "", True, _online_ngram),
-    "dyspec": CustomDrafter("DySpecDrafter", "the shipped head", False, _dyspec),
-    "eagle2": CustomDrafter("Eagle2Drafter", "the shipped head", False, _eagle2),
+    "dyspec": CustomDrafter("DySpecDrafter", "the shipped head as --draft head sets it", False, _dyspec),
+    "eagle2": CustomDrafter("Eagle2Drafter", "the shipped head as --draft head sets it", False, _eagle2),
     "lookup_head": CustomDrafter("FirstOf(NgramDrafter, --draft head)", "", False, _lookup_head),
     "online_head": CustomDrafter("OnlineHeadDrafter", "the drafter of --draft head at each temperature", True,
                                  _online_head),
@@ -425,9 +425,11 @@ class Targets:
         return self._once(f"gguf-{capture_hidden}", make)
 
     def head(self):
-        from treespec.drafting.shipped import load_default_head
+        """The shipped head as ``--draft head`` sets it for drafting (4-bit weights where the int4 kernel runs,
+        else packed or plain in the target's dtype): the dynamic builders' rows draft with the same head."""
+        from treespec.drafters import inference_head
 
-        return self._once("head", lambda: load_default_head(self.model))
+        return self._once("head", lambda: inference_head(self.model)[0])
 
     def medusa(self):
         from treespec.drafting.shipped import load_default_medusa

@@ -5,7 +5,10 @@ median over ``--reps`` passes of three ways to ask llama.cpp for what a verifier
 
 * ``logits``: logits of every node (what :class:`~treespec.models.llama_cpp.LlamaCppRunner` asks for a tree pass);
 * ``body``: no output row at all (the transformer body and the cache writes; a floor of any tree pass);
-* ``hidden``: every node's hidden state captured from the graph, the LM head skipped (``capture_hidden``).
+* ``hidden``: every node's hidden state captured from the graph, the LM head skipped (``capture_hidden``);
+* ``hidden_int8``: the same, then treespec's 8-bit LM head (:mod:`treespec.models.fast.int8_head`, built from the
+  de-quantised embedded model's head, ranges from llama.cpp's own hidden states of the calibration ids) over every
+  node: llama.cpp's body with another head. Where oneDNN's int8 kernel is missing this column is left out.
 
 ``logits - body`` is llama.cpp's LM head over n rows (262,144 entries each for Gemma-3-270M) plus the copy of
 the rows; ``t(n) / t(1)`` says how much a tree pass of n nodes costs over a plain decoding step. A second table
@@ -31,12 +34,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import add_output_args, finish, host_name, machine_info, open_results, write_json  # noqa: E402
 
-MODES = ("logits", "body", "hidden")
+MODES = ("logits", "body", "hidden", "hidden_int8")
+LABELS = {"logits": "logits of every node (ms)", "body": "body only, no output (ms)",
+          "hidden": "hidden states captured, no LM head (ms)",
+          "hidden_int8": "hidden states + treespec's int8 head (ms)"}
 
 
-def time_passes(runner, n: int, mode: str, reps: int, rows: int | None = None) -> list[float]:
+def time_passes(runner, n: int, mode: str, reps: int, rows: int | None = None, head=None) -> list[float]:
     """Seconds of ``reps`` tree passes of a chain of ``n`` nodes, each committed then rolled back (``rows``:
-    logits of the first ``rows`` nodes only)."""
+    logits of the first ``rows`` nodes only; ``head``: the 8-bit head of ``hidden_int8``)."""
+    from treespec.models.fast.int8_head import int8_head_logits
     from treespec.tree import TokenTree
 
     tree = TokenTree.chain(5, list(range(2000, 2000 + n - 1)))
@@ -46,12 +53,33 @@ def time_passes(runner, n: int, mode: str, reps: int, rows: int | None = None) -
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.forward(tree, nodes, need_logits=mode == "logits", need_hidden=mode == "hidden", rows=picked)
+        out = runner.forward(tree, nodes, need_logits=mode == "logits", need_hidden=mode.startswith("hidden"),
+                             rows=picked)
+        if mode == "hidden_int8":
+            int8_head_logits(out["hidden"], head)  # [n, V]
         times.append(time.perf_counter() - t0)
         runner.commit([0])
         runner._ll.llama_memory_seq_rm(runner._mem, 0, base, -1)  # the prefix alone again
         runner.length = base
     return times
+
+
+def int8_head_of(capture):
+    """treespec's 8-bit LM head over the embedded model's head weight, its ranges from the hidden states llama.cpp
+    gives the calibration ids (``capture``: a runner with ``capture_hidden``, reset afterwards); None where
+    oneDNN's int8 kernel is missing."""
+    from treespec.models.fast.int8_head import (OUTLIERS, calibration_ids, int8_kernel_missing, plan_int8_head,
+                                                quantize_int8_head)
+    from treespec.models.loading import load_model
+
+    if int8_kernel_missing() is not None:
+        return None
+    weight = load_model("embedded", dtype=torch.float32).lm_head.weight.detach()  # [V, H]
+    with torch.no_grad():
+        hidden = capture.forward(None, None, calibration_ids(weight.shape[0]), need_logits=False,
+                                 need_hidden=True)["hidden"]  # [CALIBRATION_TOKENS, H]
+    capture.reset()
+    return quantize_int8_head(weight, plan_int8_head(weight, hidden.abs().amax(0), OUTLIERS))
 
 
 def _relative(path: Path) -> str:
@@ -65,18 +93,19 @@ def _relative(path: Path) -> str:
 def render(data: dict) -> str:
     """``table.md`` from ``profile.json``'s contents."""
     prov, machine, rows, st = data["provenance"], data["machine"], data["rows"], data["settings"]
-    base = {m: rows[0][m]["median_ms"] for m in MODES} if rows[0]["nodes"] == 1 else None
+    modes = [m for m in MODES if m in rows[0]]  # an older profile, or a torch without the int8 kernel: fewer
+    base = {m: rows[0][m]["median_ms"] for m in modes} if rows[0]["nodes"] == 1 else None
     flags = ", ".join(f for f, on in machine.get("cpu_flags", {}).items() if on) or "none read"
     lines = [f"# llama.cpp target: tree-pass cost (commit {prov['commit'][:7]}{' DIRTY' if prov.get('diff') else ''})",
              "", f"- Command: `{prov['command']['shell']}`",
              f"- Machine: {host_name(machine)}, {machine.get('cores')} cores; flags: {flags}",
              f"- GGUF: {data.get('gguf', 'the embedded GGUF')}, prefix {st['prefix']} tokens, threads {st['threads']}, "
              f"{st['reps']} passes per cell (median [min, max])", "",
-             "| nodes | logits of every node (ms) | body only, no output (ms) | hidden states captured, no LM head (ms) "
-             "| LM head + copy per row (ms) |" + (" t(n)/t(1) logits | t(n)/t(1) body |" if base else ""),
-             "|---|---|---|---|---|" + ("---|---|" if base else "")]
+             "| nodes | " + " | ".join(LABELS[m] for m in modes) + " | LM head + copy per row (ms) |"
+             + (" t(n)/t(1) logits | t(n)/t(1) body |" if base else ""),
+             "|---|" + "---|" * (len(modes) + 1) + ("---|---|" if base else "")]
     for row in rows:
-        cells = [f"{row[m]['median_ms']:.1f} [{row[m]['min_ms']:.1f}, {row[m]['max_ms']:.1f}]" for m in MODES]
+        cells = [f"{row[m]['median_ms']:.1f} [{row[m]['min_ms']:.1f}, {row[m]['max_ms']:.1f}]" for m in modes]
         per_row = (row["logits"]["median_ms"] - row["body"]["median_ms"]) / row["nodes"]
         ratio = (f" {row['logits']['median_ms'] / base['logits']:.2f} | {row['body']['median_ms'] / base['body']:.2f} |"
                  if base else "")
@@ -117,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--nodes, --reps and --prefix take positive integers")
     if args.rows and not all(1 <= k <= args.rows_of for k in args.rows):
         ap.error(f"--rows takes integers in 1..--rows-of ({args.rows_of})")
+    from treespec.models.fast.int8_head import CALIBRATION_TOKENS
     from treespec.models.llama_cpp import LlamaCppRunner, llama_cpp_available
     from treespec.models.loading import embedded_gguf
 
@@ -129,20 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     gguf = embedded_gguf()
     plain = LlamaCppRunner(gguf, context=args.prefix + 64, threads=args.threads)
-    capture = LlamaCppRunner(gguf, context=args.prefix + 64, threads=args.threads, capture_hidden=True)
+    capture = LlamaCppRunner(gguf, context=max(args.prefix, CALIBRATION_TOKENS) + 64, threads=args.threads,
+                             capture_hidden=True)
+    head = int8_head_of(capture)
     prefix = torch.arange(1000, 1000 + args.prefix)
     for r in (plain, capture):
         r.forward(None, None, prefix, need_logits=False)
     rows = []
     for n in args.nodes:
         row = {"nodes": n}
-        for mode in MODES:
-            runner = capture if mode == "hidden" else plain
-            time_passes(runner, n, mode, 2)  # warm-up
-            ts = time_passes(runner, n, mode, args.reps)
+        for mode in MODES if head is not None else MODES[:-1]:
+            runner = capture if mode.startswith("hidden") else plain
+            time_passes(runner, n, mode, 2, head=head)  # warm-up
+            ts = time_passes(runner, n, mode, args.reps, head=head)
             row[mode] = {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts)}
         rows.append(row)
-        print(f"n={n}: " + ", ".join(f"{m} {row[m]['median_ms']:.1f} ms" for m in MODES), flush=True)
+        print(f"n={n}: " + ", ".join(f"{m} {row[m]['median_ms']:.1f} ms" for m in MODES if m in row), flush=True)
     # the row sweep: k rows as asked (no even padding), every k once per round, rounds alternating in order
     exact = LlamaCppRunner(gguf, context=args.prefix + 64, threads=args.threads, even_outputs=False)
     exact.forward(None, None, prefix, need_logits=False)

@@ -205,13 +205,12 @@ def tree_widths(tree: tuple[int, ...] | None, default: tuple[int, ...] = ()) -> 
     return (1,) * tree[0] if len(tree) == 1 else tree
 
 
-def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(),
-                 temperature: float = 0.0) -> ShapeDrafter:
-    """An EAGLE-style head (the shipped one when ``path`` is None) growing per-depth widths; the head
-    computes in the target's dtype or on 4-bit weights (:meth:`~treespec.drafting.subset_head.SubsetHead.for_inference`).
-    Options left None take the shipped head's settings for ``temperature`` (0: greedy, else sampled), 4-bit weights
-    included where torch's int4 kernel runs (bf16 on a CPU); a head file of its own computes in the target's dtype
-    unless ``options.quantize`` asks for int4."""
+def inference_head(target, path: str | None = None, quantize: str | None = None, temperature: float = 0.0):
+    """The head ``--draft`` uses, set for drafting (:meth:`~treespec.drafting.subset_head.SubsetHead.for_inference`):
+    the shipped one when ``path`` is None, attached to ``target``, computing in the target's dtype. ``quantize``
+    None: the shipped head's measured setting for ``temperature`` (4-bit weights where torch's int4 kernel runs,
+    bf16 on a CPU); a head file of its own computes in the target's dtype unless asked for int4. Returns the head
+    and its settings (:data:`~treespec.drafting.shipped.DEFAULT_HEAD_SETTINGS` for the shipped one)."""
     from .drafting.head_files import load_head
     from .drafting.shipped import DEFAULT_HEAD_SETTINGS, load_default_head
     from .models.fast.quant import int4_kernel_missing
@@ -219,13 +218,21 @@ def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(
     head = load_default_head(target) if path is None else load_head(path, target)
     settings = (DEFAULT_HEAD_SETTINGS["greedy" if temperature <= 0 else "sampled"] if path is None
                 else {"tree": (1, 1, 1, 1), "min_confidence": 0.0})
-    quantize = options.quantize
     if quantize is None:  # the measured setting, where its kernel runs (bf16 activations on a CPU)
         quantize = settings.get("quantize", "none")
         if quantize == "int4" and (target.dtype != torch.bfloat16 or head.lm_rows.device.type != "cpu"
                                    or int4_kernel_missing() is not None):
             quantize = "none"
     head.for_inference(target.dtype, quantize=None if quantize == "none" else quantize)
+    return head, settings
+
+
+def head_drafter(target, path: str | None, options: DraftOptions = DraftOptions(),
+                 temperature: float = 0.0) -> ShapeDrafter:
+    """An EAGLE-style head (the shipped one when ``path`` is None) growing per-depth widths, in the form
+    :func:`inference_head` gives it. Options left None take the shipped head's settings for ``temperature``
+    (0: greedy, else sampled)."""
+    head, settings = inference_head(target, path, options.quantize, temperature)
     law = options.law or settings.get("law", "iid")
     shape = TreeShape.widths(tree_widths(options.tree, settings["tree"]))
     if options.max_reject is not None:

@@ -27,3 +27,14 @@ def test_render_without_a_sweep_has_no_sweep_table():
             "settings": {"prefix": 100, "threads": 2, "reps": 5},
             "rows": [{"nodes": 1, "logits": _cell(20.0), "body": _cell(10.0), "hidden": _cell(11.0)}]}
     assert "k rows" not in render(data)
+
+
+def test_render_adds_the_int8_head_column_where_measured():
+    data = {"provenance": {"commit": "abcdef0123", "command": {"shell": "x"}}, "machine": {},
+            "settings": {"prefix": 100, "threads": 2, "reps": 5},
+            "rows": [{"nodes": 1, "logits": _cell(20.0), "body": _cell(10.0), "hidden": _cell(11.0),
+                      "hidden_int8": _cell(18.0)}]}
+    table = render(data)
+    assert "hidden states + treespec's int8 head (ms) |" in table
+    assert "| 1 | 20.0 [19.0, 21.0] | 10.0 [9.0, 11.0] | 11.0 [10.0, 12.0] | 18.0 [17.0, 19.0] | 10.0 |" in table
+    assert table.count("|---") == 8  # nodes, four modes, per row, two ratios
