@@ -86,6 +86,7 @@ ROWS: tuple[Row, ...] = (
     Row("ts_lookup12_head", "ts", drafter="lookup_head", settings=(("depth", 12), ("branches", 1), ("adaptive", True))),
     Row("ts_lookup16_head", "ts", drafter="lookup_head", settings=(("depth", 16), ("branches", 1), ("adaptive", True))),
     Row("ts_head_dyspec", "ts", drafter="dyspec", settings=(("budget", 8), ("max_depth", 4))),
+    Row("ts_lookup_dyspec", "ts", drafter="lookup_dyspec", settings=(("budget", 8), ("max_depth", 4))),
     Row("ts_head_eagle2", "ts", drafter="eagle2", settings=(("num_nodes", 8), ("top_k", 4), ("depth", 4))),
     # the dynamic builders with the shipped head's confidence rule (its measured 0.2, as --draft head uses)
     Row("ts_head_dyspec_c02", "ts", drafter="dyspec", settings=(("budget", 8), ("max_depth", 4),
@@ -328,6 +329,16 @@ def _lookup_head(targets: "Targets", settings: dict):
     return lookup_head, None
 
 
+def _lookup_dyspec(targets: "Targets", settings: dict):
+    from treespec.drafters import LOOKUP
+    from treespec.drafting.compose import FirstOf
+    from treespec.drafting.ngram import NgramDrafter
+    from treespec.trees.dyspec import DySpecDrafter
+
+    head = targets.head()
+    return (lambda t: FirstOf(NgramDrafter(LOOKUP), DySpecDrafter(head, **settings))), None
+
+
 def _online_head(targets: "Targets", settings: dict):
     from treespec.drafters import build_drafter
     from treespec.drafting.online_head import OnlineHeadConfig, OnlineHeadDrafter
@@ -357,6 +368,8 @@ CUSTOM_DRAFTERS: dict[str, CustomDrafter] = {
     "online_ngram": CustomDrafter("OnlineNgramDrafter", "", True, _online_ngram),
     "dyspec": CustomDrafter("DySpecDrafter", "the shipped head as --draft head sets it", False, _dyspec),
     "eagle2": CustomDrafter("Eagle2Drafter", "the shipped head as --draft head sets it", False, _eagle2),
+    "lookup_dyspec": CustomDrafter("FirstOf(NgramDrafter(LOOKUP), DySpecDrafter)", "the shipped head as --draft head "
+                                   "sets it", False, _lookup_dyspec),
     "lookup_head": CustomDrafter("FirstOf(NgramDrafter, --draft head)", "", False, _lookup_head),
     "online_head": CustomDrafter("OnlineHeadDrafter", "the drafter of --draft head at each temperature", True,
                                  _online_head),

@@ -58,7 +58,7 @@ def test_variant_rows_and_baselines_keep_the_build_order():
                      "ts_head_chain", "ts_lookup_head", "q4", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4",
                      "ts_plain_int8h", "ts_head_int8h", "ts_lookup_head_int8h",
                      "ts_ngram_tree", "ts_online_ngram", "ts_lookup12_head", "ts_lookup16_head", "ts_head_dyspec",
-                     "ts_head_eagle2", "ts_head_dyspec_c02",
+                     "ts_lookup_dyspec", "ts_head_eagle2", "ts_head_dyspec_c02",
                      "ts_head_eagle2_c02", "ts_online_head",
                      "ts_early_exit", "ts_medusa", "hf_plain", "hf_prompt_lookup", "hf_assisted", "llama_plain",
                      "llama_prompt_lookup", "tsl_plain", "tsl_ngram", "tsl_head", "tsl_lookup_head",
