@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from treespec.calibration import measure_acceptance_vector  # noqa: E402
 from treespec.distill.inputs import read_prompt_texts  # noqa: E402
-from treespec.drafters import build_tree_drafter  # noqa: E402
-from treespec.drafting.head import EagleHead  # noqa: E402
+from treespec.drafters import build_tree_drafter, is_head_path  # noqa: E402
+from treespec.drafting.head import LayerHead  # noqa: E402
 from treespec.drafting.subset_head import SubsetHead  # noqa: E402
 from treespec.files import atomic_write_text  # noqa: E402
 from treespec.generate import GenerationConfig, generate  # noqa: E402
@@ -342,8 +342,9 @@ def load_models(args: argparse.Namespace):
         if args.draft == "head":  # the shipped draft head (any builder drafts with it via HeadRunner)
             from treespec.drafting.shipped import load_default_head
             draft = load_default_head(target)
-        elif args.draft and args.draft.endswith(".safetensors"):
-            draft = EagleHead.load(args.draft, target)
+        elif args.draft and is_head_path(args.draft):  # any head file or speculators folder, as --draft reads it
+            from treespec.drafting.head_files import load_head
+            draft = load_head(args.draft, target)
         else:
             draft = load_draft_model(args.draft, target, dtype=args.dtype) if args.draft else None
         encode = lambda text: tok(text)["input_ids"][-args.max_prompt_tokens:]  # noqa: E731
@@ -386,7 +387,7 @@ def sequoia_rows(args: argparse.Namespace, target, draft, encode, temps: list[fl
             acc_source = f"loaded from {args.sequoia_acc}"
         else:
             calib = calibration_sequences(target, draft, encode, args)  # train split only
-            is_head = isinstance(draft, EagleHead)
+            is_head = isinstance(draft, LayerHead)  # an EAGLE or EAGLE-3 head
             for t in temps:
                 # a head is calibrated per depth (it drafts from its own features below depth 1)
                 seqs, starts = calib(t) if callable(calib) else calib

@@ -370,10 +370,14 @@ def main(argv=None) -> int:
     t_load = time.time() - t0
     head = None
     if args.draft != "early-exit":
-        from treespec.drafting.head import EagleHead
+        from treespec.drafting.head_files import load_layer_head
         from treespec.drafting.shipped import load_default_head
 
-        head = load_default_head(model) if args.draft == "head" else EagleHead.load(args.draft, model)
+        try:  # an EAGLE or EAGLE-3 head file, or a speculators folder
+            head = load_default_head(model) if args.draft == "head" else \
+                load_layer_head(args.draft, model, what="study_real_model.py")
+        except (OSError, ValueError) as err:
+            ap.error(str(err).splitlines()[0])
     chunks, subtasks, t_collect, t_eval = collect_and_evaluate(model, tok, prompts, head, args)
     metrics = {k: np.concatenate([c[k] for c in chunks], axis=1) for k in chunks[0]}
     sub_arr = np.array(subtasks)

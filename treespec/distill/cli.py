@@ -593,7 +593,6 @@ def _span(text: str | None, flag: str) -> tuple[int, int | None]:
 
 def _acceptance(args) -> None:
     """``acceptance``: SpecDec++'s acceptance head for a draft head, from stored continuations."""
-    from ..drafting.head import EagleHead
     from ..drafting.shipped import DEFAULT_HEAD
     from ..files import file_sha256
     from ..models.loading import load_model, load_tokenizer
@@ -614,7 +613,9 @@ def _acceptance(args) -> None:
     sequences = [pair for c in chunks for pair in zip(*stored.chunk(c))]
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
     model = load_model(args.target, dtype=args.dtype)
-    head = EagleHead.load(head_path, model).eval()
+    from ..drafting.head_files import load_layer_head
+
+    head = read_head_file(head_path, load_layer_head, model, what="distill acceptance").eval()
     rows_opts = AcceptanceRowsOptions(args.depths, args.positions, args.draws, args.seed)
     key = {"format": 1, "target": str(args.target), "head_sha256": file_sha256(head_path),
            "fingerprint": stored.fingerprint, "chunks": chunks, "row_options": rows_opts.__dict__,

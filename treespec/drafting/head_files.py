@@ -25,6 +25,20 @@ def load_head(path: str | Path, target, *, dtype: torch.dtype = torch.float32) -
     return head_class_of(path).load(path, target, dtype=dtype)
 
 
+def load_layer_head(path: str | Path, target, *, dtype: torch.dtype = torch.float32, what: str = "this tool"):
+    """:func:`load_head` for the tools that emulate a tree along a text with the head's unrolled pass
+    (:class:`~treespec.drafting.head.LayerHead`: an EAGLE or EAGLE-3 head, a file or a ``speculators`` folder); a
+    Kangaroo adapter, which drafts through the target's own early layers, is refused in one line
+    (``ValueError``) naming ``what`` refuses it."""
+    from .head import LayerHead
+
+    head = load_head(path, target, dtype=dtype)
+    if not isinstance(head, LayerHead):
+        raise ValueError(f"{path}: a {type(head).__name__} drafts through the target's own early layers; {what} "
+                         f"takes an EAGLE or EAGLE-3 head (a head file or a speculators folder)")
+    return head
+
+
 def head_class_of(path: str | Path) -> type[SubsetHead]:
     """The class of the head file at ``path`` by its format tag: :class:`~treespec.drafting.eagle3.Eagle3Head` for
     an EAGLE-3 head, :class:`~treespec.drafting.kangaroo.KangarooAdapter` for a Kangaroo adapter, else
