@@ -262,8 +262,8 @@ def write_results(out: Path, meta: dict, results: list[dict], builders: list[str
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", default=None,
-                    help="draft for the model builders: 'head' (the shipped draft head), a head .safetensors, "
-                         "'early-exit:L', or a causal LM path/id")
+                    help="draft for the model builders: 'head' (the shipped draft head), a head .safetensors (EAGLE, "
+                         "EAGLE-3 or a Kangaroo adapter) or speculators folder, 'early-exit:L', or a causal LM path/id")
     ap.add_argument("--tiny", action="store_true", help="tiny random Gemma-3 target/draft (smoke test)")
     ap.add_argument("--quick", action="store_true", help="1 prompt per subtask, 16 new tokens, budgets 8,16")
     ap.add_argument("--budgets", default="8,16,32,64")

@@ -288,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=176)
     ap.add_argument("--layer", type=int, default=12)
     ap.add_argument("--draft", default="early-exit",
-                    help="'early-exit' (layer --layer), 'head' (the shipped Gemma-3-270M draft head) or a head "
-                         ".safetensors")
+                    help="'early-exit' (layer --layer), 'head' (the shipped Gemma-3-270M draft head), an EAGLE or "
+                         "EAGLE-3 head .safetensors, or a speculators EAGLE-3 folder")
     ap.add_argument("--gen-temperature", type=float, default=0.7)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 0.7, 1.0])
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 3, 4, 8])
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
             head = load_default_head(model) if args.draft == "head" else \
                 load_layer_head(args.draft, model, what="study_real_model.py")
         except (OSError, ValueError) as err:
-            ap.error(str(err).splitlines()[0])
+            ap.error(f"--draft {args.draft}: {str(err).splitlines()[0]}")
     chunks, subtasks, t_collect, t_eval = collect_and_evaluate(model, tok, prompts, head, args)
     metrics = {k: np.concatenate([c[k] for c in chunks], axis=1) for k in chunks[0]}
     sub_arr = np.array(subtasks)

@@ -486,6 +486,28 @@ def test_acceptance_head_from_stored_continuations_by_command_line(model_dir, tm
     assert not (tmp_path / "x.safetensors").exists()
 
 
+
+def test_acceptance_head_for_an_eagle3_head_and_not_for_an_adapter(model_dir, tmp_path, capsys):
+    """``acceptance --head`` takes an EAGLE-3 head file (fused features of three target layers) as it takes an EAGLE
+    head; a Kangaroo adapter, which has no unrolled one-layer pass, is one error line, exit 2, nothing written."""
+    from treespec.drafting.eagle3 import new_eagle3_head
+    from treespec.drafting.kangaroo import new_adapter
+    from treespec.drafting.stopping import AcceptanceHead
+
+    p, cont, model = continuation_folder(model_dir, tmp_path, 0, 6, new_tokens=12)
+    eagle3, adapter = tmp_path / "eagle3.safetensors", tmp_path / "adapter.safetensors"
+    new_eagle3_head(model, torch.arange(0, 200, 2), feature_layers=(0,), num_heads=2, head_dim=16).save(eagle3)
+    new_adapter(model, torch.arange(0, 200, 2), 1, num_heads=2, head_dim=16).save(adapter)
+    common = ["acceptance", "--target", model_dir, "--dtype", "float32", "--no-progress", "--prompts", p,
+              "--continuations", cont, "--depths", 2, "--positions", 4, "--epochs", 2, "--held-out", 0.34]
+    code, out, err = run_cli([*common, "--head", eagle3, "--out", tmp_path / "stop.safetensors"], capsys)
+    assert code == 0, err
+    assert AcceptanceHead.load(tmp_path / "stop.safetensors").cfg.hidden_size == model.config.hidden_size
+    code, _, err = run_cli([*common, "--head", adapter, "--out", tmp_path / "x.safetensors"], capsys)
+    assert code == 2 and "KangarooAdapter" in err and "EAGLE or EAGLE-3 head" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 # ---------------------------------------------------------------------- damaged resume files
 def _tiny_args(model_dir: Path) -> list:
     return ["--target", model_dir, "--dtype", "float32", "--no-progress"]

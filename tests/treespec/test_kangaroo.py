@@ -251,6 +251,25 @@ def test_save_load_and_wrong_target(tmp_path, target, adapter):
         type(adapter.cfg)(hidden_size=8, target_vocab_size=8, exit_layers=0)
 
 
+
+def test_the_tools_of_layer_heads_refuse_an_adapter(tmp_path, target, adapter):
+    """``load_layer_head`` (bench_trees' calibration, study_real_model, distill acceptance) reads EAGLE and EAGLE-3
+    heads and refuses the adapter in one line naming the tool."""
+    from treespec.drafting.eagle3 import new_eagle3_head
+    from treespec.drafting.head import EagleHead, new_head
+    from treespec.drafting.head_files import load_layer_head
+
+    adapter.save(tmp_path / "k.safetensors")
+    with pytest.raises(ValueError, match="KangarooAdapter drafts through the target's own early layers; the study "
+                                         "takes an EAGLE or EAGLE-3 head") as err:
+        load_layer_head(tmp_path / "k.safetensors", target, what="the study")
+    assert "\n" not in str(err.value)
+    new_head(target, adapter.vocab_ids, num_heads=2).save(tmp_path / "e.safetensors")
+    new_eagle3_head(target, adapter.vocab_ids, feature_layers=(0, 1), num_heads=2).save(tmp_path / "e3.safetensors")
+    assert type(load_layer_head(tmp_path / "e.safetensors", target)) is EagleHead
+    assert type(load_layer_head(tmp_path / "e3.safetensors", target)).__name__ == "Eagle3Head"
+
+
 @pytest.fixture(scope="module")
 def layer_corpus(target, tmp_path_factory):
     out = tmp_path_factory.mktemp("kcorpus")

@@ -197,7 +197,8 @@ def _add_acceptance(sub) -> None:
     a.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
     a.add_argument("--prompts", default=DEFAULT_TRAIN, help="the train prompts jsonl the continuations came from")
     a.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
-    a.add_argument("--head", default=None, help="the draft head .safetensors (default: the shipped head)")
+    a.add_argument("--head", default=None,
+                   help="the draft head .safetensors, EAGLE or EAGLE-3 (default: the shipped head)")
     a.add_argument("--out", required=True, help="acceptance head .safetensors to write (atomically)")
     a.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
     a.add_argument("--validation", type=float, default=0.1,
@@ -612,9 +613,13 @@ def _acceptance(args) -> None:
         raise DistillInputError(f"--chunks {args.chunks}: no finished chunk of {folder} in that range")
     sequences = [pair for c in chunks for pair in zip(*stored.chunk(c))]
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
-    model = load_model(args.target, dtype=args.dtype)
-    from ..drafting.head_files import load_layer_head
+    from ..drafting.head import LayerHead
+    from ..drafting.head_files import head_class_of, load_layer_head, not_a_layer_head
 
+    kind = head_class_of(head_path)
+    if not issubclass(kind, LayerHead):  # refused before the target loads
+        raise DistillInputError(f"head file {head_path}: {not_a_layer_head(kind, 'distill acceptance')}")
+    model = load_model(args.target, dtype=args.dtype)
     head = read_head_file(head_path, load_layer_head, model, what="distill acceptance").eval()
     rows_opts = AcceptanceRowsOptions(args.depths, args.positions, args.draws, args.seed)
     key = {"format": 1, "target": str(args.target), "head_sha256": file_sha256(head_path),

@@ -34,9 +34,14 @@ def load_layer_head(path: str | Path, target, *, dtype: torch.dtype = torch.floa
 
     head = load_head(path, target, dtype=dtype)
     if not isinstance(head, LayerHead):
-        raise ValueError(f"{path}: a {type(head).__name__} drafts through the target's own early layers; {what} "
-                         f"takes an EAGLE or EAGLE-3 head (a head file or a speculators folder)")
+        raise ValueError(not_a_layer_head(type(head), what))
     return head
+
+
+def not_a_layer_head(cls: type, what: str) -> str:
+    """The one line refusing a head of class ``cls`` in a tool that needs an EAGLE or EAGLE-3 head."""
+    return (f"a {cls.__name__} drafts through the target's own early layers; {what} takes an EAGLE or EAGLE-3 head "
+            f"(a head file or a speculators folder)")
 
 
 def head_class_of(path: str | Path) -> type[SubsetHead]:
