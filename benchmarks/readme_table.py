@@ -34,9 +34,18 @@ LABELS = {
 }
 
 
+def _started(run: Path) -> str:
+    """When the run started, as its provenance records it (a clone's file times say nothing: they are the
+    checkout's); empty where not recorded."""
+    try:
+        return json.loads((run / "provenance.json").read_text()).get("date_utc", "")
+    except (OSError, ValueError):
+        return ""
+
+
 def newest_protocol_run(speed: Path = SPEED) -> Path:
     runs = sorted((p for p in speed.iterdir() if p.is_dir() and p.name.endswith("-protocol")
-                   and (p / "summary.json").is_file()), key=lambda p: (p.name[:10], p.stat().st_mtime))
+                   and (p / "summary.json").is_file()), key=lambda p: (p.name[:10], _started(p)))
     if not runs:
         raise FileNotFoundError(f"no protocol run under {speed}")
     return runs[-1]

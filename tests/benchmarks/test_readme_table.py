@@ -30,6 +30,20 @@ def test_newest_run_is_chosen_by_date(tmp_path):
     assert readme_table.newest_protocol_run(tmp_path).name == "2026-11-27-bbb-protocol"
 
 
+def test_runs_of_one_day_are_ordered_by_their_recorded_start_not_file_times(tmp_path):
+    """A fresh clone gives every folder its checkout time: the later run of a day is the one its provenance says
+    started later, even when its files look older."""
+    import os
+
+    for name, started, mtime in (("2026-11-28-aaa-protocol", "2026-11-28T21:00:00+00:00", 100),
+                                 ("2026-11-28-bbb-protocol", "2026-11-28T14:00:00+00:00", 200)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text("{}")
+        (tmp_path / name / "provenance.json").write_text(f'{{"date_utc": "{started}"}}')
+        os.utime(tmp_path / name, (mtime, mtime))
+    assert readme_table.newest_protocol_run(tmp_path).name == "2026-11-28-aaa-protocol"
+
+
 def test_readme_is_a_short_guide():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README has {len(lines)} lines"

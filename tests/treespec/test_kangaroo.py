@@ -253,7 +253,7 @@ def test_save_load_and_wrong_target(tmp_path, target, adapter):
 
 
 def test_the_tools_of_layer_heads_refuse_an_adapter(tmp_path, target, adapter):
-    """``load_layer_head`` (bench_trees' calibration, study_real_model, distill acceptance) reads EAGLE and EAGLE-3
+    """``load_layer_head`` (study_real_model, distill acceptance) reads EAGLE and EAGLE-3
     heads and refuses the adapter in one line naming the tool."""
     from treespec.drafting.eagle3 import new_eagle3_head
     from treespec.drafting.head import EagleHead, new_head
