@@ -615,9 +615,10 @@ def _acceptance(args) -> None:
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
     from ..drafting.head import LayerHead
     from ..drafting.head_files import head_class_of, load_layer_head, not_a_layer_head
+    from .inputs import require_file
 
-    kind = head_class_of(head_path)
-    if not issubclass(kind, LayerHead):  # refused before the target loads
+    kind = head_class_of(require_file(head_path, "head file"))  # a missing file or an adapter: refused before the
+    if not issubclass(kind, LayerHead):  # target loads
         raise DistillInputError(f"head file {head_path}: {not_a_layer_head(kind, 'distill acceptance')}")
     model = load_model(args.target, dtype=args.dtype)
     head = read_head_file(head_path, load_layer_head, model, what="distill acceptance").eval()

@@ -168,3 +168,12 @@ class PredictedStop:
         path = parent_accept.float()[:, None] * accept  # [M, k]
         keep = torch.ones_like(path, dtype=torch.bool)
         return StopDecision(keep, path >= 1.0 - self.max_reject, path)
+
+
+def stopping_rule(min_confidence: float = 0.0, stop: ConfidenceStop | PredictedStop | None = None
+                  ) -> ConfidenceStop | PredictedStop | None:
+    """The rule a tree builder's ``min_confidence`` / ``stop`` arguments stand for: ``stop`` itself, a
+    :class:`ConfidenceStop` for a positive ``min_confidence``, else None. Giving both is refused (``ValueError``)."""
+    if stop is not None and min_confidence != 0.0:
+        raise ValueError("give min_confidence or a stopping rule, not both")
+    return stop if stop is not None or min_confidence == 0.0 else ConfidenceStop(float(min_confidence))

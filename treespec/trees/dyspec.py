@@ -42,7 +42,7 @@ import torch
 
 from ..drafting.base import Draft, DraftState
 from ..drafting.laws import top_order
-from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision
+from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision, stopping_rule
 from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import TokenTree
 from .common import DraftLogits, RunnerDrafter
@@ -76,8 +76,6 @@ class DySpecDrafter(RunnerDrafter):
                  target_vocab_size: int | None = None, min_confidence: float = 0.0,
                  stop: ConfidenceStop | PredictedStop | None = None) -> None:
         super().__init__(model, target_vocab_size)
-        if stop is not None and min_confidence != 0.0:
-            raise ValueError("give min_confidence or a stopping rule, not both")
         if budget < 1:
             raise ValueError("budget must be >= 1")
         if variant not in VARIANTS:
@@ -90,7 +88,7 @@ class DySpecDrafter(RunnerDrafter):
         self.variant = variant
         self.threshold = 1.0 / budget if threshold is None else threshold
         self.draft_law = law
-        self.stop = stop if stop is not None or min_confidence == 0.0 else ConfidenceStop(float(min_confidence))
+        self.stop = stopping_rule(min_confidence, stop)
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic" if sampling.greedy else self.draft_law
@@ -119,7 +117,10 @@ class DySpecDrafter(RunnerDrafter):
             keys, toks = torch.topk(keys, k, dim=-1, largest=False, sorted=True)
             vals = q.gather(1, toks)
             keep = torch.isfinite(keys)  # the support of q ends the draws
-        decision = self._decide(draft, sampling, law, q, toks, nodes)
+        decision = None
+        if self.stop is not None:  # it reads the draft's softmax (deterministic; value_q already is one at T=0) or q
+            probs = q if q is not None else value_q if sampling.greedy else torch.softmax(logits.float(), dim=-1)
+            decision = self._decide(probs, law, toks, draft.feature, nodes)
         toks = draft.token_ids(toks)
         q = None if q is None else draft.spread(q)  # [M, V] for the verifier
         parts = [toks.double(), vals.double(), keep.double()]
@@ -142,17 +143,15 @@ class DySpecDrafter(RunnerDrafter):
             accept_lists.append(row[5 * k:5 * k + n] if len(row) > 5 * k else [1.0] * n)
         return q, tok_lists, val_lists, grow_lists, accept_lists
 
-    def _decide(self, draft: DraftLogits, sampling: SamplingConfig, law: str, q: torch.Tensor | None,
-                columns: torch.Tensor, nodes: list[int]) -> StopDecision | None:
-        """The stopping rule's verdict on the draws ``columns`` ``[M, k]`` of ``nodes``' rows (None without one):
-        on the draft's softmax for deterministic candidates, on q for sampled ones."""
-        if self.stop is None:
-            return None
-        device = columns.device
-        probs = torch.softmax(draft.logits.float(), dim=-1) if q is None else q  # [M, Vs]
-        parent = torch.tensor([self._accept[u] for u in nodes], device=device) if self.stop.tracks_path else None
-        depth = torch.tensor([self._depth[u] for u in nodes], device=device) if self.stop.tracks_path else None
-        return self.stop.decide(law == "deterministic", probs, columns, draft.feature, parent, depth)
+    def _decide(self, probs: torch.Tensor, law: str, columns: torch.Tensor, feature: torch.Tensor | None,
+                nodes: list[int]) -> StopDecision:
+        """The stopping rule's verdict on the draws ``columns`` ``[M, k]`` of ``nodes``' rows, drawn or ranked by
+        ``probs`` ``[M, Vs]``."""
+        parent = depth = None
+        if self.stop.tracks_path:
+            parent = torch.tensor([self._accept[u] for u in nodes], device=columns.device)
+            depth = torch.tensor([self._depth[u] for u in nodes], device=columns.device)
+        return self.stop.decide(law == "deterministic", probs, columns, feature, parent, depth)
 
     # ------------------------------------------------------------------ proposal
     def propose(self, state: DraftState, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:

@@ -31,27 +31,34 @@ import torch
 
 from ..drafting.base import Draft, DraftState
 from ..drafting.laws import top_order
-from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision
+from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision, stopping_rule
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
 from .common import RunnerDrafter
 
 
 def _values_and_ids(values: torch.Tensor, ids: torch.Tensor, decision: StopDecision | None = None
-                    ) -> tuple[list[list[float]], list[list[int]], list[list[bool]], list[list[bool]]]:
+                    ) -> tuple[list[list[float]], list[list[int]], list[list[bool]], list[list[bool]],
+                               list[list[float]] | None]:
     """``values`` (float) and ``ids`` (int64), both ``[M, k]``, and a stopping rule's keep / grow (all True
-    without one), as host lists in one read-back: float64 holds a float32 value and a token id exactly."""
+    without one) and path acceptance (None where it tracks none), as host lists in one read-back: float64 holds a
+    float32 value and a token id exactly."""
     k = values.shape[1]
     parts = [values.double(), ids.double()]
     if decision is not None:
         parts += [decision.keep.double(), decision.grow.double()]
+        parts += [decision.path_accept.double()] if decision.path_accept is not None else []
     host = torch.cat(parts, dim=1).tolist()
-    vals, kids = [row[:k] for row in host], [[int(t) for t in row[k:2 * k]] for row in host]
+
+    def block(i: int) -> list[list[float]]:
+        return [row[i * k:(i + 1) * k] for row in host]
+
+    vals, kids = block(0), [[int(t) for t in row] for row in block(1)]
     if decision is None:
         every = [[True] * k for _ in host]
-        return vals, kids, every, every
-    return vals, kids, [[bool(x) for x in row[2 * k:3 * k]] for row in host], [[bool(x) for x in row[3 * k:]]
-                                                                                for row in host]
+        return vals, kids, every, every, None
+    keeps, grows = ([[bool(x) for x in row] for row in block(i)] for i in (2, 3))
+    return vals, kids, keeps, grows, block(4) if decision.path_accept is not None else None
 
 
 class Eagle2Drafter(RunnerDrafter):
@@ -75,12 +82,10 @@ class Eagle2Drafter(RunnerDrafter):
         super().__init__(model, target_vocab_size)
         if num_nodes < 1 or top_k < 1 or depth < 1:
             raise ValueError("num_nodes, top_k and depth must be >= 1")
-        if stop is not None and min_confidence != 0.0:
-            raise ValueError("give min_confidence or a stopping rule, not both")
         self.num_nodes = num_nodes
         self.top_k = top_k
         self.depth = depth
-        self.stop = stop if stop is not None or min_confidence == 0.0 else ConfidenceStop(float(min_confidence))
+        self.stop = stopping_rule(min_confidence, stop)
 
     def law(self, sampling: SamplingConfig) -> str:
         return "deterministic"
@@ -116,13 +121,13 @@ class Eagle2Drafter(RunnerDrafter):
             lp = logp.gather(1, cols)
             decision = None
             if stop is not None:
-                rows = torch.tensor(at, dtype=torch.long, device=device)
-                parent_accept = torch.tensor([path_accept[c] for c in frontier], device=device) if tracks else None
-                decision = stop.decide(True, logp.exp(), cols, draft.feature, parent_accept,
-                                       tree.depths[rows] if tracks else None)
+                parent_accept = depths = None
+                if tracks:
+                    parent_accept = torch.tensor([path_accept[c] for c in frontier], device=device)
+                    depths = tree.depths[torch.tensor(at, dtype=torch.long, device=device)]
+                decision = stop.decide(True, logp.exp(), cols, draft.feature, parent_accept, depths)
             # one host sync per depth: the values, token ids and the rule's verdicts read back together
-            lp, kids, keeps, grows = _values_and_ids(lp, draft.token_ids(cols), decision)
-            accept = decision.path_accept.tolist() if tracks else None
+            lp, kids, keeps, grows, accept = _values_and_ids(lp, draft.token_ids(cols), decision)
             growing = []
             for r, node in enumerate(frontier):
                 for j in range(k):

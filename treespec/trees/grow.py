@@ -22,7 +22,7 @@ import torch
 
 from ..drafting.base import Draft, DraftState
 from ..drafting.laws import draw_children
-from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision
+from ..drafting.stopping import ConfidenceStop, PredictedStop, StopDecision, stopping_rule
 from ..sampling import SamplingConfig, logits_to_probs
 from ..tree import DRAFT_LAWS, TokenTree
 from .common import RunnerDrafter
@@ -74,11 +74,9 @@ class ShapeDrafter(RunnerDrafter):
                  stop: ConfidenceStop | PredictedStop | None = None) -> None:
         super().__init__(model, target_vocab_size)
         check_shape_law(shape, law)
-        if stop is not None and min_confidence != 0.0:
-            raise ValueError("give min_confidence or a stopping rule, not both")
         self.tree_shape = shape
         self.draft_law = law
-        self.stop = stop if stop is not None or min_confidence == 0.0 else ConfidenceStop(float(min_confidence))
+        self.stop = stopping_rule(min_confidence, stop)
 
     @property
     def min_confidence(self) -> float:
