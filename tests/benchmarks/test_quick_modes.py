@@ -12,7 +12,14 @@ import json
 
 import pytest
 
+from benchmarks import common
 
+#: the quick modes read Spec-Bench / train prompts from the shared folder beside the checkout (or TREESPEC_SHARED)
+needs_prompts = pytest.mark.skipif(not (common.SPEC_BENCH.exists() and common.TRAIN_PROMPTS.exists()),
+                                   reason="needs the shared prompts (../shared/data, or TREESPEC_SHARED)")
+
+
+@needs_prompts
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bench_trees_tiny_quick(tmp_path, dtype):
     from benchmarks import bench_trees
@@ -41,6 +48,7 @@ def test_bench_trees_refuses_a_confidence_outside_0_1(tmp_path, value, capsys):
     assert not any(tmp_path.iterdir())
 
 
+@needs_prompts
 @pytest.mark.gemma
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_run_quick(tmp_path, dtype):
@@ -83,6 +91,7 @@ def test_run_refuses_a_malformed_variant(capsys, variant, match):
     assert info.value.code == 2 and match in " ".join(capsys.readouterr().err.split())
 
 
+@needs_prompts
 @pytest.mark.gemma
 def test_run_stopped_part_way_resumes_to_every_round_once(tmp_path, monkeypatch):
     from benchmarks import common, harness, run
@@ -246,6 +255,7 @@ def test_head_ablation_starts_every_variant_from_the_head(tmp_path, monkeypatch)
     assert [c[0].w_tv for c in calls] == [0.0, 1.0]
 
 
+@needs_prompts
 @pytest.mark.gemma
 def test_sampling_cost_quick(tmp_path):
     """benchmarks/sampling_cost.py: the filter timings and the paired plain-decoding table, in one round."""
@@ -261,6 +271,7 @@ def test_sampling_cost_quick(tmp_path):
     assert res["summary"][0]["ratio_median"] == 1.0 and "| T=0.7 top-p 0.95 |" in (out / "table.md").read_text()
 
 
+@needs_prompts
 @pytest.mark.gemma
 def test_profile_int8_head_quick(tmp_path, monkeypatch):
     """benchmarks/profile_int8_head.py: the distance table (every target) and t(n) for both dtypes, in one pass."""

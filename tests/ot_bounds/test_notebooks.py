@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from benchmarks import common
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "01_bounds_small_examples.ipynb"
 
@@ -62,6 +64,8 @@ def test_study_notebook_runs_from_any_folder(monkeypatch: pytest.MonkeyPatch, tm
     assert "study summary printed above: done" in text
 
 
+@pytest.mark.skipif(not (common.SPEC_BENCH.exists() and common.TRAIN_PROMPTS.exists()),
+                    reason="needs the shared prompts (../shared/data, or TREESPEC_SHARED)")
 @pytest.mark.gemma
 def test_study_notebook_recomputes_small(monkeypatch: pytest.MonkeyPatch) -> None:
     """Notebook (b) recomputing the study with --small settings on the embedded Gemma (~1.5 min)."""

@@ -31,8 +31,13 @@ from .test_end_to_end_stats import g_test
 
 V = 128
 TRAIN = shared_dir() / "data" / "train" / "train_prompts.jsonl"
+#: prompts where the shared train set is absent: twelve different texts, so that shards differ in their tokens
 FALLBACK = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
-            "Translate to French: good morning", "What is 12 times 7? Think step by step."] * 3
+            "Translate to French: good morning", "What is 12 times 7? Think step by step.",
+            "Summarise: rain fell all week and the river rose.", "SELECT name FROM users WHERE age > 30;",
+            "Write a haiku about winter light.", "List three prime numbers: 2, 3, 5",
+            "Q: Who wrote Hamlet? A: Shakespeare", "for i in range(10): print(i * i)",
+            "Explain why the sky is blue, briefly.", "Zebras, yaks and quokkas queue quietly."]
 
 
 def tokenize(text: str, max_len: int = 48) -> list[int]:
