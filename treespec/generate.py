@@ -18,9 +18,11 @@ from typing import Callable
 import torch
 
 from .drafting.base import Draft, Drafter, DraftState, NoDrafter, feature_layers, reads_target_hidden
+from .drafting.judge import JudgeHead
 from .models.runner import TargetRunner, target_eos_ids, target_runner
 from .sampling import SamplingConfig, logits_to_probs
 from .verify import VERIFIERS, VerifyResult, resolve_verifier
+from .verify.judge import JudgedResult, verify_judge
 
 
 #: the largest seed: torch.Generator.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed s to
@@ -43,7 +45,11 @@ class GenerationConfig:
     leaf_logits: ask the target for the rows of tree leaves too, so that a path accepted down to a
     leaf also yields its bonus token. False asks only for the rows of ``tree.verified_nodes`` (the root
     and the nodes with children): one LM-head row fewer per leaf, for targets where each output row
-    is dear (llama.cpp); the output's law is the same either way."""
+    is dear (llama.cpp); the output's law is the same either way.
+    judge: a :class:`~treespec.drafting.judge.JudgeHead` for judge decoding, temperature 0 only. LOSSY: drafted
+    tokens the judge accepts are kept though the target would not have chosen them
+    (:func:`~treespec.verify.judge.verify_judge`); the result counts them (``judged_tokens``). None (the default):
+    lossless."""
 
     max_new_tokens: int = 64
     sampling: SamplingConfig = SamplingConfig()
@@ -51,6 +57,7 @@ class GenerationConfig:
     stop_on_eos: bool = True
     verifier: str = "auto"
     leaf_logits: bool = True
+    judge: JudgeHead | None = None
 
     def __post_init__(self) -> None:
         if not _is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -69,6 +76,15 @@ class GenerationConfig:
             raise ValueError(f"verifier 'greedy' needs temperature 0 (it would output the argmax whatever the "
                              f"seed); got temperature {self.sampling.temperature}: use --verifier auto or a "
                              f"sampling verifier")
+        if self.judge is not None:
+            if not isinstance(self.judge, JudgeHead):
+                raise ValueError(f"judge must be a treespec JudgeHead, got {type(self.judge).__name__}")
+            if not self.sampling.greedy:
+                raise ValueError(f"judge decoding is defined here at temperature 0 only; got temperature "
+                                 f"{self.sampling.temperature}")
+            if self.verifier not in ("auto", "greedy"):
+                raise ValueError(f"judge decoding replaces the verifier; verifier must be 'auto' or 'greedy', got "
+                                 f"{self.verifier!r}")
 
 
 @dataclass
@@ -79,6 +95,7 @@ class StepStats:
     draft_s: float
     verify_s: float
     other_s: float
+    judged: int = 0  # accepted drafts the target would not have chosen (judge decoding only)
 
 
 @dataclass
@@ -92,6 +109,7 @@ class GenerationResult:
     seed: int = 0  # the sampling seed used: the config's, or the one drawn for a config with seed=None
     stopped_on_eos: bool = False
     stopped_by_hook: bool = False  # the ``on_tokens`` hook asked generation to stop
+    lossy: bool = False  # judge decoding ran: tokens may differ from the target's own choices
 
     @property
     def target_calls(self) -> int:
@@ -120,6 +138,8 @@ class GenerationResult:
             "other_s": other,
             "stopped_on_eos": self.stopped_on_eos,
             "stopped_by_hook": self.stopped_by_hook,
+            "judged_tokens": sum(s.judged for s in self.steps),
+            "lossy": self.lossy,
         }
 
 
@@ -275,6 +295,7 @@ class _TreePass:
         # target layers a head reads besides the last hidden state (asked for only when there are any)
         self.features = {"feature_layers": feature_layers(drafter)} if feature_layers(drafter) else {}
         self.hidden = reads_target_hidden(drafter)
+        self.judge = config.judge  # judge decoding reads the last hidden state of every node
         self.out: dict = {}
         self.rows: torch.Tensor | None = None  # [R] the nodes the last pass gave rows for; None: every node
 
@@ -291,10 +312,14 @@ class _TreePass:
         """One target pass over the whole tree, then the verifier's verdict on it."""
         tree = draft.tree
         nodes = torch.arange(tree.num_nodes, device=self.runner.device)  # [num_nodes]
-        self.rows = None if self.leaf_logits or tree.num_nodes == 1 else tree.verified_nodes  # [R] or all
+        judge = self.judge is not None and tree.num_nodes > 1
+        self.rows = None if self.leaf_logits or judge or tree.num_nodes == 1 else tree.verified_nodes  # [R] or all
         picked = {} if self.rows is None else {"rows": self.rows}  # (a runner written before ``rows`` serves every row)
-        self.out = self.runner.forward(tree, nodes, need_hidden=self.hidden, **picked, **self.features)
+        self.out = self.runner.forward(tree, nodes, need_hidden=self.hidden or judge, **picked, **self.features)
         logits = self.out["logits"]  # [num_nodes or R, vocab]
+        if judge:  # LOSSY: judge decoding (temperature 0)
+            judge_logits = self.judge.node_logits(tree, logits, self.out["hidden"])  # [num_nodes]
+            return verify_judge(tree, logits, judge_logits, self.judge.threshold)
         # the greedy verifier needs only each row's argmax: logits serve as they are
         target_probs = logits if verifier.name == "greedy" else logits_to_probs(logits, self.sampling)
         return verifier.verify(tree, target_probs, draft.draft_probs, generator)
@@ -358,7 +383,7 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
     target_hidden = tree_pass.prefill(prompt)
     drafter.begin(prompt)
     seq = list(prompt)
-    result = GenerationResult(prompt, [], seed=seed)
+    result = GenerationResult(prompt, [], seed=seed, lossy=config.judge is not None)
     result.prefill_s = time.perf_counter() - start
     while len(result.token_ids) < config.max_new_tokens:
         t0 = time.perf_counter()
@@ -382,8 +407,10 @@ def _generate(target: TargetRunner | torch.nn.Module, prompt_ids: list[int] | to
         result.stopped_by_hook = on_tokens is not None and bool(on_tokens(list(emitted)))
         t3 = time.perf_counter()
         # statistics
+        judged = (sum(n in verdict.judged_nodes for n in verdict.accepted_nodes[:len(emitted)])
+                  if isinstance(verdict, JudgedResult) else 0)  # the emitted tokens the target did not choose
         result.steps.append(StepStats(draft.tree.num_nodes - 1, verdict.num_accepted, len(emitted),
-                                      t1 - t0, t2 - t1, t3 - t2))
+                                      t1 - t0, t2 - t1, t3 - t2, judged))
         if result.stopped_on_eos or result.stopped_by_hook:
             break
     result.wall_s = time.perf_counter() - start

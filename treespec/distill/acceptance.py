@@ -203,19 +203,20 @@ def save_rows(rows: AcceptanceRows, path, key: dict) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(buf.getvalue()))
 
 
-def load_rows(path, key: dict) -> AcceptanceRows | None:
-    """Rows saved by :func:`save_rows` under the same ``key``, else None (rows of other settings are not reused)."""
+def load_rows(path, key: dict, kind: type = AcceptanceRows):
+    """Rows (a ``kind``: :class:`AcceptanceRows`, or the judge's rows) saved by :func:`save_rows` under the same
+    ``key``, else None (rows of other settings are not reused)."""
     if not Path(path).is_file():
         return None
     try:
         saved = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - a damaged cache is collected again
-        print(f"acceptance rows: {path} is not readable ({type(err).__name__}); collecting again", file=sys.stderr)
+        print(f"rows: {path} is not readable ({type(err).__name__}); collecting again", file=sys.stderr)
         return None
     if not isinstance(saved, dict) or saved.get("key") != key:
-        print(f"acceptance rows: {path} holds rows of other settings; collecting again", file=sys.stderr)
+        print(f"rows: {path} holds rows of other settings; collecting again", file=sys.stderr)
         return None
-    return AcceptanceRows(**saved["rows"])
+    return kind(**saved["rows"])
 
 
 def score(head: AcceptanceHead, rows: AcceptanceRows) -> dict[str, dict[str, float]]:

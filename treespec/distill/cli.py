@@ -1,4 +1,4 @@
-"""``python -m treespec.distill build-corpus | train | medusa | kangaroo | evaluate | export | acceptance`` (on the
+"""``python -m treespec.distill build-corpus | train | medusa | kangaroo | evaluate | export | acceptance | judge`` (on the
 embedded Gemma-3-270M or any Hugging Face causal LM).
 
 Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
@@ -214,11 +214,31 @@ def _add_acceptance(sub) -> None:
             a.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
 
 
+def _add_judge(sub) -> None:
+    j = sub.add_parser("judge", help="train judge decoding's judge (LOSSY decoding) on stored greedy continuations")
+    _common_arguments(j)
+    j.add_argument("--continuations", required=True, help="a greedy continuation folder (build_continuations)")
+    j.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
+    j.add_argument("--prompts", default=DEFAULT_TRAIN, help="the train prompts jsonl the continuations came from")
+    j.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
+    j.add_argument("--out", required=True, help="judge head .safetensors to write (atomically)")
+    j.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
+    j.add_argument("--json", default=None, help="write the scores and settings here too")
+    j.add_argument("--rows-cache", default=None,
+                   help="keep the collected rows in this file and reuse them when the same settings ask again")
+    from .judge import JudgeRowsOptions, JudgeTrainOptions
+
+    _config_arguments(j, JudgeRowsOptions())
+    for field, default in JudgeTrainOptions().__dict__.items():
+        if field != "seed":
+            j.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m treespec.distill", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     for add in (_add_build_corpus, _add_train, _add_evaluate, _add_medusa, _add_kangaroo, _add_export,
-                _add_acceptance):
+                _add_acceptance, _add_judge):
         add(sub)
     return ap
 
@@ -246,7 +266,7 @@ def _check_numbers(args) -> None:
     """Options that argparse types cannot bound: a bad value is a :class:`DistillInputError`."""
     lows = {"threads": 1, "max_prompts": 1, "max_len": 2, "num_prompts": 1, "max_prompt_len": 1,
             "new_tokens": 1, "tau_prompts": 1, "depths": 1, "positions": 1, "draws": 1, "width": 1, "epochs": 1,
-            "batch": 1}
+            "batch": 1, "alternatives": 1, "resync": 1, "max_tokens": 2}
     for name, low in lows.items():
         value = getattr(args, name, None)
         if value is not None and value < low:
@@ -260,6 +280,9 @@ def _check_numbers(args) -> None:
         share = getattr(args, name, None)
         if share is not None and not 0.0 <= share < 1.0:
             raise DistillInputError(f"--{name.replace('_', '-')} must be in [0, 1), got {share}")
+    precision = getattr(args, "precision", None)
+    if precision is not None and not 0.0 < precision <= 1.0:
+        raise DistillInputError(f"--precision must be in (0, 1], got {precision}")
     limit = getattr(args, "time_limit", None)
     if limit is not None and not limit > 0:
         raise DistillInputError(f"--time-limit must be > 0 minutes, got {limit}")
@@ -346,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args) -> None:
     torch.set_num_threads(args.threads)
     {"build-corpus": _build_corpus, "export": _export, "medusa": _medusa, "kangaroo": _kangaroo, "train": _train,
-     "evaluate": _evaluate, "acceptance": _acceptance}[args.command](args)
+     "evaluate": _evaluate, "acceptance": _acceptance, "judge": _judge}[args.command](args)
 
 
 def _build_corpus(args) -> None:
@@ -640,6 +663,54 @@ def _acceptance(args) -> None:
               "row_options": rows_opts.__dict__, "train_options": train_opts.__dict__, "best_epochs": stop_head.epochs,
               "held_out_scores": score(stop_head, held), "train_scores": score(stop_head, train_rows)}
     stop_head.save(args.out, extra=record)
+    if args.json:
+        atomic_write_json(Path(args.json), record)
+    print(json.dumps(record, indent=1))
+
+
+def _judge(args) -> None:
+    """``judge``: judge decoding's judge, from stored greedy continuations (:mod:`.judge`)."""
+    from ..models.fast import choose_runner
+    from ..models.loading import load_model, load_tokenizer
+    from .acceptance import load_rows, save_rows
+    from .continuations import continuation_sequences, load_continuation_manifest
+    from .judge import JudgeRows, JudgeRowsOptions, JudgeTrainOptions, collect_rows, score, split_sequences, \
+        train_judge
+
+    folder = Path(args.continuations)
+    tok = load_tokenizer(args.target)
+    try:
+        stored = continuation_sequences(folder, _continuation_prompts(folder, args.rows, args.prompts, tok))
+    except ValueError as err:
+        raise DistillInputError(str(err)) from None
+    mode = load_continuation_manifest(folder).get("options", {}).get("mode")
+    if mode != "greedy":
+        raise DistillInputError(f"--continuations {folder}: the judge's labels need the target's greedy text; this "
+                                f"folder's continuations are {mode!r}")
+    first, end = _span(args.chunks, "--chunks")
+    chunks = [c for c in stored.chunks if c >= first and (end is None or c < end)]
+    if not chunks:
+        raise DistillInputError(f"--chunks {args.chunks}: no finished chunk of {folder} in that range")
+    sequences = [pair for c in chunks for pair in zip(*stored.chunk(c))]
+    model = load_model(args.target, dtype=args.dtype)
+    rows_opts = JudgeRowsOptions(args.positions, args.alternatives, args.resync, args.max_tokens, args.seed)
+    key = {"format": 1, "what": "judge", "target": str(args.target), "fingerprint": stored.fingerprint,
+           "chunks": chunks, "row_options": rows_opts.__dict__, "dtype": str(model.dtype)}
+    all_rows = load_rows(args.rows_cache, key, JudgeRows) if args.rows_cache else None
+    if all_rows is None:
+        all_rows = collect_rows(choose_runner(model, "auto"), sequences, rows_opts, progress=not args.no_progress)
+        if args.rows_cache:
+            save_rows(all_rows, args.rows_cache, key)
+    train_rows, held = split_sequences(all_rows, args.held_out, args.seed)
+    train_opts = JudgeTrainOptions(args.epochs, args.batch, args.lr, args.weight_decay, args.validation,
+                                   args.precision, args.seed)
+    judge = train_judge(train_rows, model.config.get_text_config().hidden_size, train_opts)
+    record = {"lossy": True, "continuations": str(folder), "chunks": chunks, "sequences": len(sequences),
+              "rows": train_rows.size, "held_out_rows": held.size, "row_options": rows_opts.__dict__,
+              "train_options": train_opts.__dict__, "best_epoch": judge.epoch, "threshold": judge.threshold,
+              "held_out_scores": score(judge, held), "train_scores": score(judge, train_rows),
+              "dtype": str(model.dtype)}
+    judge.save(args.out, extra=record)
     if args.json:
         atomic_write_json(Path(args.json), record)
     print(json.dumps(record, indent=1))

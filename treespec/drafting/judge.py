@@ -1,0 +1,99 @@
+"""Judge decoding's judge: a small trained head that accepts drafted tokens the target would not have chosen.
+
+LOSSY by design: a run with a judge does not follow the target's distribution ("Judge Decoding: Faster
+Speculative Sampling Requires Going Beyond Model Alignment", Bachmann et al., arXiv 2501.19309). The judge
+reads what the target's tree pass computes anyway for a drafted node ``c`` with parent ``u``:
+
+- ``h_c`` ``[H]``: the target's last hidden state at ``c`` (after the final norm; it has read ``c``'s token),
+  scaled to unit RMS;
+- ``gap_c = s_u[x_c] - max s_u``: how far the target's logit for ``c``'s token lies below its greedy token's.
+
+and returns one logit, ``w . [h_c / rms(h_c), (gap_c - shift) / scale] + b``; a node is accepted when the logit
+is above ``threshold`` (chosen in training for a precision on held-out rows, recorded in the file).
+Trained by ``python -m treespec.distill judge`` (:mod:`treespec.distill.judge`, which says what its labels are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..tree import TokenTree
+
+JUDGE_FORMAT = "treespec-judge-head"
+
+
+@dataclass(frozen=True)
+class JudgeHeadConfig:
+    hidden_size: int  # the target's hidden width H
+    threshold: float = 0.0  # a node is accepted when its judge logit is above this
+
+
+class JudgeHead(nn.Module):
+    """A linear judge over the target's hidden state of a drafted node and its logit gap (module docstring)."""
+
+    def __init__(self, cfg: JudgeHeadConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.linear = nn.Linear(cfg.hidden_size + 1, 1)
+        #: the gap's centre and spread, set from the training rows
+        self.register_buffer("gap_shift", torch.zeros(1))
+        self.register_buffer("gap_scale", torch.ones(1))
+        self.extra: dict = {}
+
+    @property
+    def threshold(self) -> float:
+        return float(self.cfg.threshold)
+
+    def with_threshold(self, threshold: float) -> "JudgeHead":
+        """The same weights with another acceptance threshold."""
+        head = JudgeHead(JudgeHeadConfig(self.cfg.hidden_size, float(threshold)))
+        head.load_state_dict(self.state_dict())
+        head.extra = dict(self.extra)
+        return head.to(self.gap_shift.device).eval()
+
+    def logit(self, hidden: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
+        """Judge logits ``[...]`` of hidden states ``[..., H]`` and gaps ``[...]``."""
+        h = hidden.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        g = ((gap.float() - self.gap_shift) / self.gap_scale)[..., None]
+        return self.linear(torch.cat([h, g], dim=-1))[..., 0]
+
+    def node_logits(self, tree: TokenTree, target_scores: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_nodes]`` judge logits of a tree pass: ``target_scores`` ``[num_nodes, V]`` (logits),
+        ``hidden`` ``[num_nodes, F]`` whose last ``H`` columns are the last hidden state. The root's entry is
+        -inf (it is never judged)."""
+        if hidden.shape[-1] < self.cfg.hidden_size:
+            raise ValueError(f"the judge reads hidden states of width {self.cfg.hidden_size}; this target's are "
+                             f"{hidden.shape[-1]} wide")
+        h = hidden[:, -self.cfg.hidden_size:]  # [n, H]
+        parent = tree.parents.clamp(min=0)  # [n]
+        top = target_scores.max(dim=1).values.float()  # [n] each row's greedy score
+        mine = target_scores[parent, tree.tokens].float()  # [n] the parent row's score of each node's token
+        gap = mine - top.index_select(0, parent)  # [n]
+        with torch.no_grad():
+            out = self.logit(h, gap)  # [n]
+        return out.index_fill(0, torch.zeros(1, dtype=torch.long, device=out.device), float("-inf"))
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        from .weights_file import write_weights
+
+        write_weights(path, self.state_dict(), torch.zeros(0, dtype=torch.long), fmt=JUDGE_FORMAT, version=1,
+                      config=asdict(self.cfg), extra=extra, dtype=torch.float32)
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "JudgeHead":
+        """A judge from its file (one clear ``ValueError`` for a file that is not one)."""
+        from .weights_file import build_checked, read_weights
+
+        config, state, _, extra = read_weights(path, fmt=JUDGE_FORMAT, what="judge head")
+        threshold = config.get("threshold", 0.0)
+        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold != threshold:
+            raise ValueError(f"{path}: judge head threshold {threshold!r} is not a number")
+        head = build_checked(path, "judge head", JudgeHeadConfig, config, state, cls)
+        head.load_state_dict(state)
+        head.extra = extra
+        return head.to(device).eval()
