@@ -137,6 +137,7 @@ def _pytorch_asked(args: argparse.Namespace, dtype_word: str) -> str | None:
     for flag, used in (("--dtype", args.dtype != "auto"), ("--exact", args.exact),
                        ("--quantize", args.quantize != "none"), ("--runner", args.runner != "auto"),
                        ("--draft-quantize", args.draft_quantize not in ("auto", "none")),
+                       ("--judge", getattr(args, "judge", None) is not None),
                        (f"--draft {args.draft}", not gguf_draft)):
         if used:
             return f"{flag} asks for it"
@@ -240,7 +241,8 @@ def _check_gguf_args(args: argparse.Namespace) -> None:
     if args.target != EMBEDDED_GGUF and not os.path.isfile(args.target):
         raise CliInputError(f"--target {args.target}: no GGUF file there")
     for flag, used in (("--quantize", args.quantize != "none"), ("--runner", args.runner != "auto"),
-                       ("--exact", args.exact), ("--device", args.device not in ("auto", "cpu"))):
+                       ("--exact", args.exact), ("--device", args.device not in ("auto", "cpu")),
+                       ("--judge", args.judge is not None)):
         if used:
             raise CliInputError(f"{flag} applies to PyTorch targets; a GGUF target runs llama.cpp on the file's own "
                                 f"weights")
@@ -343,6 +345,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.plain:
         _resolved_draft(args)  # --draft auto refuses a --tree / --law / --min-confidence it cannot follow
     _check_max_reject(args)
+    _check_judge(args)
     if args.threads is not None and args.threads < 1:
         raise CliInputError(f"--threads must be a positive integer, got {args.threads}")
     if args.threads is not None and args.threads > usable_cores():
@@ -389,6 +392,26 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliInputError(f"unknown --draft {draft!r}: expected one of {', '.join(DRAFT_WORDS)}, "
                             f"ngram:DEPTH,BRANCHES, early-exit:L, a .safetensors head file, or an existing draft "
                             f"model directory")
+
+
+def _check_judge(args: argparse.Namespace) -> None:
+    """``--judge`` (LOSSY judge decoding): temperature 0, a draft, never with ``--exact``, an existing file."""
+    if args.judge is None:
+        if args.judge_threshold is not None:
+            raise CliInputError("--judge-threshold applies to --judge")
+        return
+    for flag, used in (("--exact", args.exact), ("--plain", args.plain),
+                       (f"--temperature {args.temperature}", args.temperature != 0),
+                       (f"--verifier {args.verifier}", args.verifier not in ("auto", "greedy"))):
+        if used:
+            why = {"--exact": "--exact promises the target's own output and judge decoding is lossy",
+                   "--plain": "plain decoding drafts nothing to judge"}.get(flag, "judge decoding is defined here at "
+                                                                           "temperature 0 with its own verifier")
+            raise CliInputError(f"--judge cannot be combined with {flag}: {why}")
+    if args.judge != "shipped" and not os.path.isfile(args.judge):
+        raise CliInputError(f"--judge {args.judge}: no judge file there (or 'shipped')")
+    if args.judge_threshold is not None and math.isnan(args.judge_threshold):
+        raise CliInputError("--judge-threshold must be a number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -460,6 +483,16 @@ def _draft_arguments(g: argparse.ArgumentParser) -> None:
                         "temperature 0, else the rule for the draft's law: rrs for iid, rrs_without_replacement, "
                         "deterministic, greedy_draft or spechub for the laws of those names); "
                         + "; ".join(f"{name}: {meaning}" for name, meaning in sorted(VERIFIER_MEANINGS.items())))
+    g.add_argument("--judge", default=None, metavar="{shipped,PATH}",
+                   help="LOSSY, opt-in: judge decoding (arXiv 2501.19309) at temperature 0: a trained judge also "
+                        "accepts drafted tokens the target would not have chosen, when it finds them acceptable "
+                        "(fewer target passes; the output is no longer the target's). 'shipped' = the judge trained "
+                        "for the embedded Gemma-3-270M (recipes/judge_head.sh), or a judge file of "
+                        "python -m treespec.distill judge. The run is marked lossy and counts the judged tokens; "
+                        "never with --exact (default: off)")
+    g.add_argument("--judge-threshold", type=float, default=None,
+                   help="with --judge: accept a drafted token when the judge's logit is above this (default: the "
+                        "threshold stored in the judge file, chosen for a precision on held-out rows)")
     g.add_argument("--leaf-logits", choices=["auto", "on", "off"], default="auto",
                    help="the target's logits at tree leaves: on (a path accepted down to a leaf also yields the "
                         "leaf's bonus token), off (LM-head rows for the root and the nodes with children only: "
@@ -577,9 +610,12 @@ def resolve_cli_device(args: argparse.Namespace) -> torch.device:
         raise CliInputError(f"--device: {err}") from None
 
 
-def _guarantee(dtype: torch.dtype, temperature: float, plain: bool, runner: str = "fast") -> str:
+def _guarantee(dtype: torch.dtype, temperature: float, plain: bool, runner: str = "fast",
+               judged: int | None = None) -> str:
     import torch
 
+    if judged is not None:
+        return f"LOSSY: judge decoding kept {judged} drafted tokens the target would not have chosen"
     if plain:
         return "plain decoding"
     if runner == "llama.cpp":
@@ -741,7 +777,7 @@ def run_generate(args) -> int:
     # without --seed generate() draws a fresh seed (result.seed), reported so that --seed reproduces it
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                               stop_on_eos=not args.no_stop, verifier=args.verifier,
-                              leaf_logits=_leaf_logits(args))
+                              leaf_logits=_leaf_logits(args), judge=_judge(args))
     if not args.prompt.strip():
         raise ValueError("empty prompt: give some text to continue")
     _check_hub_access(args)
@@ -769,6 +805,17 @@ def run_generate(args) -> int:
         print()
         _print_closing(args, result.summary(), info, drafter is None, dtype, result.seed)
     return 0
+
+
+def _judge(args):
+    """The ``--judge`` head (None without one), with ``--judge-threshold`` applied."""
+    if args.judge is None:
+        return None
+    from .drafting.judge import JudgeHead
+    from .drafting.shipped import DEFAULT_JUDGE
+
+    head = JudgeHead.load(DEFAULT_JUDGE if args.judge == "shipped" else args.judge, resolve_cli_device(args))
+    return head if args.judge_threshold is None else head.with_threshold(args.judge_threshold)
 
 
 def _load_target(args, dtype):
@@ -835,10 +882,11 @@ def _print_closing(args, summary: dict, info: dict, plain: bool, dtype, seed: in
         f"({summary['tau']:.2f} tokens per pass, tau) drafted by " \
         f"{_draft_words(_resolved_draft(args, dtype), info.get('proposals'))}"
     sampled = f", seed {seed} (--seed {seed} repeats this run)" if args.temperature > 0 else ""
+    judged = summary["judged_tokens"] if summary.get("lossy") else None
     print(f"treespec: {summary['new_tokens']} tokens in {summary['target_calls']} target passes {passes}; "
           f"{summary['wall_s']:.2f} s ({summary['tokens_per_s']:.1f} tokens/s), {dtype_word} target{weights}, "
           f"{info['runner']} runner{sampled}; "
-          f"{_guarantee(dtype, args.temperature, plain, info['runner'])}", file=sys.stderr)
+          f"{_guarantee(dtype, args.temperature, plain, info['runner'], judged)}", file=sys.stderr)
     if plain and not args.plain and args.draft == "auto" and info["runner"] == "llama.cpp":
         print("(--draft auto decodes plainly on a GGUF target: no drafter measured faster than llama.cpp's plain "
               "decoding on this kind of CPU; name a --draft to speculate anyway)", file=sys.stderr)

@@ -288,3 +288,33 @@ def test_profile_int8_head_quick(tmp_path, monkeypatch):
     assert {(c["target"], c["n"]) for c in res["pass_costs"]} == {
         (t, n) for t in ("bf16", "bf16, int8 head", "float32", "float32, int8 head") for n in (1, 2)}
     assert "| float32 | 2 |" in (out / "table.md").read_text()
+
+
+@needs_prompts
+@pytest.mark.gemma
+def test_judge_quality_quick(tmp_path):
+    """benchmarks/judge_quality.py --quick: the lossless default and the shipped judge on two items of each task
+    and one Spec-Bench prompt; the lossless setting judges nothing, every run is scored."""
+    from benchmarks import judge_quality
+
+    out = tmp_path / "judge"
+    assert judge_quality.main(["--quick", "--threads", "1", "--thresholds", "-1e9", "--allow-dirty",
+                               "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert json.loads((out / "provenance.json").read_text())["complete"]
+    assert set(res["summary"]) == {"lossless", "judge@-1e+09"} and len(res["tasks"]) == 8
+    assert all(r["runs"]["lossless"]["judged"] == 0 for r in res["tasks"])
+    assert res["summary"]["lossless"]["judged_share"] == 0 and res["summary"]["lossless"]["prompts_diverged"] == 0
+    # a judge that accepts every draft keeps some token the target would not have chosen
+    assert res["summary"]["judge@-1e+09"]["judged_share"] > 0
+    assert "| lossless |" in (out / "table.md").read_text()
+
+
+def test_judge_tasks_are_seeded_and_answered():
+    from benchmarks.judge_quality import make_tasks
+
+    tasks = make_tasks(3, seed=0)
+    assert tasks == make_tasks(3, seed=0) and tasks != make_tasks(3, seed=1)
+    assert [t["task"] for t in tasks[:4]] == ["addition", "sequence", "repeat", "next letter"]
+    a, b = (int(x) for x in tasks[0]["prompt"].splitlines()[-1].rstrip(" =").split(" + "))
+    assert tasks[0]["answer"] == str(a + b)

@@ -707,7 +707,9 @@ def _judge(args) -> None:
     judge = train_judge(train_rows, model.config.get_text_config().hidden_size, train_opts)
     record = {"lossy": True, "continuations": str(folder), "chunks": chunks, "sequences": len(sequences),
               "rows": train_rows.size, "held_out_rows": held.size, "row_options": rows_opts.__dict__,
-              "train_options": train_opts.__dict__, "best_epoch": judge.epoch, "threshold": judge.threshold,
+              "train_options": train_opts.__dict__, "best_epoch": judge.epoch,
+              # None: no threshold reached the precision on the validation sequences (the judge accepts nothing)
+              "threshold": judge.threshold if math.isfinite(judge.threshold) else None,
               "held_out_scores": score(judge, held), "train_scores": score(judge, train_rows),
               "dtype": str(model.dtype)}
     judge.save(args.out, extra=record)

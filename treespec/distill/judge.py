@@ -237,7 +237,7 @@ def auc(score: torch.Tensor, label: torch.Tensor) -> float:
 
 def score(head: JudgeHead, rows: JudgeRows) -> dict[str, float]:
     """On ``rows``: the share of label 1, the judge's cross-entropy and AUC beside the gap's alone, and at the
-    head's threshold the accepted share, precision and recall."""
+    head's threshold the accepted share, precision (None when it accepts nothing) and recall."""
     with torch.no_grad():
         logit = head.logit(rows.hidden.float(), rows.gap)
     y = rows.label
@@ -245,5 +245,5 @@ def score(head: JudgeHead, rows: JudgeRows) -> dict[str, float]:
     hits = float((accepted & (y > 0.5)).sum())
     return {"rows": rows.size, "mean_label": float(y.mean()), "xent": float(F.binary_cross_entropy_with_logits(
         logit, y)), "auc": auc(logit, y), "gap_auc": auc(rows.gap, y), "accepted_share": float(accepted.float().mean()),
-        "precision": hits / max(int(accepted.sum()), 1) if accepted.any() else math.nan,
+        "precision": hits / int(accepted.sum()) if accepted.any() else None,
         "recall": hits / max(float(y.sum()), 1.0)}

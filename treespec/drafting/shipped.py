@@ -27,6 +27,9 @@ DEFAULT_MEDUSA = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-m
 #: SpecDec++'s acceptance head for the shipped draft head (:class:`~treespec.drafting.stopping.AcceptanceHead`,
 #: ``python -m treespec.distill acceptance``; recipe ``recipes/acceptance_head.sh``), read by ``--max-reject``
 DEFAULT_STOP_HEAD = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-stop.safetensors"
+#: judge decoding's judge for the embedded Gemma-3-270M (LOSSY decoding, opt-in: ``--judge shipped``; trained by
+#: recipes/judge_head.sh)
+DEFAULT_JUDGE = Path(__file__).resolve().parents[1] / "assets" / "gemma3-270m-judge.safetensors"
 
 #: how the CLI drafts with it when no --tree / --min-confidence / --law / --draft-quantize is given, at T=0 ("greedy") and at
 #: T>0 ("sampled"); chosen on train prompts (benchmarks/results/tuning/; T=0: confidence 0.2 beat 0.4 for
