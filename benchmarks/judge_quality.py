@@ -51,22 +51,22 @@ def make_tasks(items: int, seed: int) -> list[dict]:
     tasks = []
     for _ in range(items):
         pairs = [(rng.randint(10, 49), rng.randint(10, 49)) for _ in range(5)]
-        tasks.append({"task": "addition", "prompt": _few_shot([(f"{a} + {b} = ", str(a + b)) for a, b in pairs[:4]],
-                                                               f"{pairs[4][0]} + {pairs[4][1]} = "),
+        shots = [(f"{a} + {b} = ", str(a + b)) for a, b in pairs[:4]]
+        tasks.append({"task": "addition", "prompt": _few_shot(shots, f"{pairs[4][0]} + {pairs[4][1]} = "),
                       "answer": str(sum(pairs[4]))})
         seqs = [(rng.randint(1, 30), rng.randint(2, 9)) for _ in range(3)]
         shots = [(", ".join(str(s + d * i) for i in range(4)) + ", ", str(s + d * 4)) for s, d in seqs[:2]]
         s, d = seqs[2]
-        tasks.append({"task": "sequence", "prompt": _few_shot(shots, ", ".join(str(s + d * i) for i in range(4)) + ", "),
-                      "answer": str(s + d * 4)})
+        query = ", ".join(str(s + d * i) for i in range(4)) + ", "
+        tasks.append({"task": "sequence", "prompt": _few_shot(shots, query), "answer": str(s + d * 4)})
         lists = [rng.sample(WORDS, 4) for _ in range(3)]
-        tasks.append({"task": "repeat", "prompt": _few_shot([(f"Words: {' '.join(w)}\nRepeat: ", " ".join(w))
-                                                             for w in lists[:2]], f"Words: {' '.join(lists[2])}\nRepeat: "),
+        shots = [(f"Words: {' '.join(w)}\nRepeat: ", " ".join(w)) for w in lists[:2]]
+        tasks.append({"task": "repeat", "prompt": _few_shot(shots, f"Words: {' '.join(lists[2])}\nRepeat: "),
                       "answer": " ".join(lists[2])})
         letters = rng.sample(string.ascii_uppercase[:-1], 4)
-        tasks.append({"task": "next letter", "prompt": _few_shot(
-            [(f"The letter after {c} is ", chr(ord(c) + 1)) for c in letters[:3]], f"The letter after {letters[3]} is "),
-            "answer": chr(ord(letters[3]) + 1)})
+        shots = [(f"The letter after {c} is ", chr(ord(c) + 1)) for c in letters[:3]]
+        tasks.append({"task": "next letter", "prompt": _few_shot(shots, f"The letter after {letters[3]} is "),
+                      "answer": chr(ord(letters[3]) + 1)})
     return tasks
 
 
@@ -186,17 +186,19 @@ def table(summary: dict, meta: dict) -> str:
              f"items, {meta['prompts']} Spec-Bench prompts x {meta['max_new_tokens']} tokens; commit "
              f"{meta['commit']}. Speed: geometric mean over prompts of tok/s against the lossless run of the same "
              "prompt (sign test p). Divergence: share of emitted tokens the target would not have chosen.", "",
-             "| setting | accuracy | right lost / gained | speed vs lossless | faster / slower (p) | tau | judged share "
-             "| prompts diverged | first divergence (median token) |",
+             "| setting | accuracy | right lost / gained | speed vs lossless | faster / slower (p) | tau "
+             "| judged share | prompts diverged | first divergence (median token) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         speed = "1 (itself)" if name == "lossless" else f"{s['speed_ratio_geomean']:.3f}x"
         test = "" if name == "lossless" else f"{s['wins']} / {s['losses']} ({s['p_sign']:.2g})"
         first = "" if s["first_divergence_median"] is None else f"{s['first_divergence_median']:g}"
-        lines.append(f"| {name} | {s['accuracy']:.3f} | {s['right_lost']} / {s['right_gained']} | {speed} | {test} | "
-                     f"{s['tau']:.2f} | {s['judged_share']:.3f} | {s['prompts_diverged']} / {s['prompts']} | {first} |")
-    lines += ["", "Accuracy by task: " + "; ".join(
-        f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in s["accuracy_by_task"].items()) for name, s in summary.items())]
+        lines.append(f"| {name} | {s['accuracy']:.3f} | {s['right_lost']} / {s['right_gained']} | {speed} | {test} "
+                     f"| {s['tau']:.2f} | {s['judged_share']:.3f} | {s['prompts_diverged']} / {s['prompts']} "
+                     f"| {first} |")
+    by_task = (f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in s["accuracy_by_task"].items())
+               for name, s in summary.items())
+    lines += ["", "Accuracy by task: " + "; ".join(by_task)]
     return "\n".join(lines) + "\n"
 
 

@@ -298,7 +298,7 @@ def test_judge_quality_quick(tmp_path):
     from benchmarks import judge_quality
 
     out = tmp_path / "judge"
-    assert judge_quality.main(["--quick", "--threads", "1", "--thresholds", "-1e9", "--allow-dirty",
+    assert judge_quality.main(["--quick", "--threads", "1", "--thresholds=-1e9", "--allow-dirty",
                                "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert json.loads((out / "provenance.json").read_text())["complete"]

@@ -250,7 +250,8 @@ def test_labels_of_the_tree_pass_equal_causal_forwards():
         positives = 0
         for s in range(4):
             prompt = [rng.randrange(V) for _ in range(6)]
-            text = generate(model, prompt, None, GenerationConfig(max_new_tokens=20, sampling=T0, stop_on_eos=False)).token_ids
+            cfg = GenerationConfig(max_new_tokens=20, sampling=T0, stop_on_eos=False)
+            text = generate(model, prompt, None, cfg).token_ids
             ids = prompt + text
             got = sequence_rows(runner, ids, len(prompt), opts, torch.Generator().manual_seed(s))
             want = _reference_rows(model, ids, len(prompt), opts, torch.Generator().manual_seed(s))
@@ -324,8 +325,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def _cli(tiny_dir, *argv):
-    return cli_main(["generate", "w1 w2 w3 w1 w2 w3 w1 w2", "--target", str(tiny_dir), "--max-new-tokens", "12",
-                     "--no-stop", "--threads", "1", "--draft", "ngram", *argv])
+    return cli_main(["generate", "w1 w2 w3 w1 w2 w3 w1 w2", "--target", str(tiny_dir), "--max-new-tokens",
+                     "12", "--no-stop", "--threads", "1", "--draft", "ngram", *argv])
 
 
 def test_cli_judge_run_is_marked_lossy(capsys, tiny_dir):

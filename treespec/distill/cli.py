@@ -1,5 +1,5 @@
-"""``python -m treespec.distill build-corpus | train | medusa | kangaroo | evaluate | export | acceptance | judge`` (on the
-embedded Gemma-3-270M or any Hugging Face causal LM).
+"""``python -m treespec.distill build-corpus | train | medusa | kangaroo | evaluate | export | acceptance | judge``
+(on the embedded Gemma-3-270M or any Hugging Face causal LM).
 
 Everything it writes goes under ``~/.cache/treespec/distill/`` (``$TREESPEC_CACHE``) unless told
 otherwise: corpora in ``corpus/<name>``, runs (checkpoints, ``head.safetensors``) in ``runs/<name>``.
