@@ -42,7 +42,9 @@ WORDS = ("apple river stone cloud garden window silver forest candle bridge pape
 
 
 def _few_shot(examples: list[tuple[str, str]], query: str) -> str:
-    return "".join(f"{q}{a}\n" for q, a in examples) + query
+    """Examples ``question answer`` a line each, then the query. Prompts end without a space: the tokenizer joins
+    a word's leading space to the word (a trailing space made the target write nonsense on a first run)."""
+    return "".join(f"{q} {a}\n" for q, a in examples) + query
 
 
 def make_tasks(items: int, seed: int) -> list[dict]:
@@ -51,21 +53,21 @@ def make_tasks(items: int, seed: int) -> list[dict]:
     tasks = []
     for _ in range(items):
         pairs = [(rng.randint(10, 49), rng.randint(10, 49)) for _ in range(5)]
-        shots = [(f"{a} + {b} = ", str(a + b)) for a, b in pairs[:4]]
-        tasks.append({"task": "addition", "prompt": _few_shot(shots, f"{pairs[4][0]} + {pairs[4][1]} = "),
+        shots = [(f"{a} + {b} =", str(a + b)) for a, b in pairs[:4]]
+        tasks.append({"task": "addition", "prompt": _few_shot(shots, f"{pairs[4][0]} + {pairs[4][1]} ="),
                       "answer": str(sum(pairs[4]))})
         seqs = [(rng.randint(1, 30), rng.randint(2, 9)) for _ in range(3)]
-        shots = [(", ".join(str(s + d * i) for i in range(4)) + ", ", str(s + d * 4)) for s, d in seqs[:2]]
+        shots = [(", ".join(str(s + d * i) for i in range(4)) + ",", str(s + d * 4)) for s, d in seqs[:2]]
         s, d = seqs[2]
-        query = ", ".join(str(s + d * i) for i in range(4)) + ", "
+        query = ", ".join(str(s + d * i) for i in range(4)) + ","
         tasks.append({"task": "sequence", "prompt": _few_shot(shots, query), "answer": str(s + d * 4)})
         lists = [rng.sample(WORDS, 4) for _ in range(3)]
-        shots = [(f"Words: {' '.join(w)}\nRepeat: ", " ".join(w)) for w in lists[:2]]
-        tasks.append({"task": "repeat", "prompt": _few_shot(shots, f"Words: {' '.join(lists[2])}\nRepeat: "),
+        shots = [(f"Words: {' '.join(w)}\nRepeat:", " ".join(w)) for w in lists[:2]]
+        tasks.append({"task": "repeat", "prompt": _few_shot(shots, f"Words: {' '.join(lists[2])}\nRepeat:"),
                       "answer": " ".join(lists[2])})
         letters = rng.sample(string.ascii_uppercase[:-1], 4)
-        shots = [(f"The letter after {c} is ", chr(ord(c) + 1)) for c in letters[:3]]
-        tasks.append({"task": "next letter", "prompt": _few_shot(shots, f"The letter after {letters[3]} is "),
+        shots = [(f"The letter after {c} is", chr(ord(c) + 1)) for c in letters[:3]]
+        tasks.append({"task": "next letter", "prompt": _few_shot(shots, f"The letter after {letters[3]} is"),
                       "answer": chr(ord(letters[3]) + 1)})
     return tasks
 

@@ -316,5 +316,6 @@ def test_judge_tasks_are_seeded_and_answered():
     tasks = make_tasks(3, seed=0)
     assert tasks == make_tasks(3, seed=0) and tasks != make_tasks(3, seed=1)
     assert [t["task"] for t in tasks[:4]] == ["addition", "sequence", "repeat", "next letter"]
+    assert not any(t["prompt"].endswith(" ") for t in tasks)  # a word's space belongs to the answer's token
     a, b = (int(x) for x in tasks[0]["prompt"].splitlines()[-1].rstrip(" =").split(" + "))
     assert tasks[0]["answer"] == str(a + b)
