@@ -43,7 +43,8 @@ class Row:
     ``prompt-lookup`` or ``assistant``); ``tree`` / ``min_confidence`` / ``law`` / ``quantize`` / ``max_reject``:
     ``--tree``, ``--min-confidence``, ``--law``, ``--draft-quantize``, ``--max-reject`` (None: the CLI's default);
     ``leaf_logits``: False for ``--leaf-logits off``; ``drafter``: a key of :data:`CUSTOM_DRAFTERS` (a drafter the
-    CLI does not build) with its constructor ``settings``; ``protocol``: part of the default protocol."""
+    CLI does not build) with its constructor ``settings``; ``protocol``: part of the default protocol; ``judge``:
+    ``--judge shipped`` (LOSSY judge decoding, temperature 0 only)."""
 
     name: str
     target: str
@@ -57,6 +58,7 @@ class Row:
     drafter: str | None = None
     settings: tuple[tuple[str, Any], ...] = ()
     protocol: bool = False
+    judge: bool = False
 
     @property
     def engine(self) -> str:
@@ -74,6 +76,8 @@ ROWS: tuple[Row, ...] = (
     Row("ts_head_bf16", "ts", "head", quantize="none"),
     Row("ts_head_chain", "ts", "head", min_confidence=0.0, protocol=True),
     Row("ts_lookup_head", "ts", "lookup+head", protocol=True),
+    # LOSSY, temperature 0 only: the default's drafter with the shipped judge (judge decoding, arXiv 2501.19309)
+    Row("ts_lookup_head_judge", "ts", "lookup+head", judge=True),
     Row("ts_plain_int4", "ts_int4"),
     Row("ts_ngram_int4", "ts_int4", "ngram"),
     Row("ts_lookup_head_int4", "ts_int4", "lookup+head"),
@@ -142,6 +146,8 @@ def cli_flags(row: Row) -> str:
         words += ["--law", row.law]
     if row.quantize is not None:
         words += ["--draft-quantize", row.quantize]
+    if row.judge:
+        words += ["--judge", "shipped", "(LOSSY)"]
     return " ".join(words)
 
 
@@ -230,20 +236,21 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
 
 
 def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine: str = "treespec",
-              leaf_logits: bool = True, top_p: float = 1.0) -> Method:
-    """A treespec row. ``model``: the target module or the runner around it (``--runner``); ``leaf_logits``: as
-    :class:`~treespec.generate.GenerationConfig`'s; ``top_p``: the nucleus filter at T > 0."""
+              leaf_logits: bool = True, top_p: float = 1.0, judge=None) -> Method:
+    """A treespec row. ``model``: the target module or the runner around it (``--runner``); ``leaf_logits``, ``judge``:
+    as :class:`~treespec.generate.GenerationConfig`'s; ``top_p``: the nucleus filter at T > 0."""
     from treespec.generate import GenerationConfig, generate
     from treespec.sampling import SamplingConfig
 
     def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
         sampling = SamplingConfig(temperature, top_p=top_p if temperature > 0 else 1.0)
         cfg = GenerationConfig(max_new_tokens=n, sampling=sampling, seed=seed, stop_on_eos=False,
-                               leaf_logits=leaf_logits)
+                               leaf_logits=leaf_logits, judge=judge)
         res = generate(model, prompt["ids"], make_drafter(temperature), cfg)
         s = res.summary()
         return {"tokens": res.token_ids, "wall_s": s["wall_s"], "target_calls": s["target_calls"],
-                **{k: s[k] for k in ("draft_s", "verify_s", "other_s", "prefill_s", "mean_tree_nodes")}}
+                **{k: s[k] for k in ("draft_s", "verify_s", "other_s", "prefill_s", "mean_tree_nodes")},
+                **({"judged_tokens": s["judged_tokens"]} if judge is not None else {})}
 
     return Method(name, engine, run, describe, reset)
 
@@ -437,6 +444,13 @@ class Targets:
 
         return self._once(f"gguf-{capture_hidden}", make)
 
+    def judge(self):
+        """The shipped judge (``--judge shipped``; LOSSY judge decoding)."""
+        from treespec.drafting.judge import JudgeHead
+        from treespec.drafting.shipped import DEFAULT_JUDGE
+
+        return self._once("judge", lambda: JudgeHead.load(DEFAULT_JUDGE))
+
     def head(self):
         """The shipped head as ``--draft head`` sets it for drafting (4-bit weights where the int4 kernel runs,
         else packed or plain in the target's dtype): the dynamic builders' rows draft with the same head."""
@@ -485,7 +499,8 @@ def _treespec_method(row: Row, targets: Targets) -> Method:
         make = cli_drafter(targets.model, targets.tok, targets.dtype, row.draft, row.min_confidence, row.tree,
                            row.law, row.quantize, row.max_reject)
     text = describe(row, opts.runner, type(model).__name__ if row.target == "ts" else "", opts.lookup_tokens)
-    return ts_method(row.name, model, make, text, reset, row.engine, row.leaf_logits, opts.top_p)
+    judge = targets.judge() if row.judge else None
+    return ts_method(row.name, model, make, text, reset, row.engine, row.leaf_logits, opts.top_p, judge)
 
 
 def _hf_method(row: Row, targets: Targets) -> Method:

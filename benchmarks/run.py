@@ -181,6 +181,10 @@ def wanted_methods(ap: argparse.ArgumentParser, args: argparse.Namespace, dtypes
     if four_bit and any(d != "bfloat16" for d in dtypes):
         ap.error(f"{', '.join(four_bit)}: a 4-bit draft head runs in bfloat16 only; the run's dtypes are "
                  f"{', '.join(dtypes)} (give --dtypes bfloat16)")
+    judged = sorted(r.name for r in ROWS if r.judge and r.name in wanted)
+    if judged and any(t != 0 for t in args.temperatures):
+        ap.error(f"{', '.join(judged)}: judge decoding (LOSSY) is defined at temperature 0 only; run it with "
+                 f"--temperatures 0")
     skipped: list[str] = []
     if wanted & set(LLAMA_METHODS):
         reason = "--no-llama" if args.no_llama else llama_available()

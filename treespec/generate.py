@@ -21,8 +21,7 @@ from .drafting.base import Draft, Drafter, DraftState, NoDrafter, feature_layers
 from .drafting.judge import JudgeHead
 from .models.runner import TargetRunner, target_eos_ids, target_runner
 from .sampling import SamplingConfig, logits_to_probs
-from .verify import VERIFIERS, VerifyResult, resolve_verifier
-from .verify.judge import JudgedResult, verify_judge
+from .verify import LOSSY_VERIFIERS, VERIFIERS, JudgedResult, VerifyResult, resolve_verifier
 
 
 #: the largest seed: torch.Generator.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed s to
@@ -319,7 +318,7 @@ class _TreePass:
         logits = self.out["logits"]  # [num_nodes or R, vocab]
         if judge:  # LOSSY: judge decoding (temperature 0)
             judge_logits = self.judge.node_logits(tree, logits, self.out["hidden"])  # [num_nodes]
-            return verify_judge(tree, logits, judge_logits, self.judge.threshold)
+            return LOSSY_VERIFIERS["judge"](tree, logits, judge_logits, self.judge.threshold)
         # the greedy verifier needs only each row's argmax: logits serve as they are
         target_probs = logits if verifier.name == "greedy" else logits_to_probs(logits, self.sampling)
         return verifier.verify(tree, target_probs, draft.draft_probs, generator)

@@ -55,7 +55,7 @@ def test_variant_rows_and_baselines_keep_the_build_order():
     variant = methods.variant_row(["q4", "head", "2,1", "0.2", "without_replacement", "int4"])
     names = [r.name for r in ordered_rows(wanted, [variant], "auto")]
     assert names == ["ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_int4", "ts_head_bf16",
-                     "ts_head_chain", "ts_lookup_head", "q4", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4",
+                     "ts_head_chain", "ts_lookup_head", "q4", "ts_lookup_head_judge", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4",
                      "ts_plain_int8h", "ts_head_int8h", "ts_lookup_head_int8h",
                      "ts_ngram_tree", "ts_online_ngram", "ts_lookup12_head", "ts_lookup16_head", "ts_head_dyspec",
                      "ts_lookup_dyspec", "ts_head_eagle2", "ts_head_dyspec_c02",
@@ -88,3 +88,16 @@ def test_rounds_report_progress_on_stderr_only(tmp_path, capsys, monkeypatch):
     assert "float32 T=0 round 2/2: ts_ngram prompt 2/2" in lines
     assert len([x for x in lines if " round " in x]) == 3 * 2 * 2  # methods x prompts x repeats
     assert len(session.runs) == 12
+
+
+def test_the_judge_row_is_lossy_and_runs_at_temperature_0_only(capsys):
+    """ts_lookup_head_judge says LOSSY in its description; run.py refuses it beside a temperature above 0, in one
+    line, before anything loads."""
+    from benchmarks import run
+
+    assert describe(ROW["ts_lookup_head_judge"]).startswith("treespec generate --draft lookup+head --judge shipped "
+                                                            "(LOSSY)")
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--methods", "ts_lookup_head_judge", "--temperatures", "0", "1", "--no-llama"])
+    assert exc.value.code == 2
+    assert "judge decoding (LOSSY) is defined at temperature 0 only" in capsys.readouterr().err

@@ -17,9 +17,13 @@ spechub                    spechub                 1 or 2
 block                      iid                     1 (a chain, verified jointly)
 traversal                  iid                     any (root-to-node sequences, leaf to root)
 ========================== ======================= ==================================================
+
+Every verifier in that table is lossless. Judge decoding (:mod:`.judge`) is not, and stands apart in
+:data:`LOSSY_VERIFIERS`.
 """
 
 from .core import VerifyResult, output_law, verify_tree
+from .judge import JudgedResult, verify_judge
 from .verifiers import SPECS, VerifierSpec, resolve_verifier, verifier
 
 #: verifier name -> function ``(tree, target_probs, draft_probs, generator) -> VerifyResult``
@@ -39,5 +43,10 @@ DEFAULT_VERIFIER = {spec.laws[0]: name for name, spec in SPECS.items() if spec.d
 #: (``block``, ``traversal``) has none
 VERIFIER_RULES = {name: spec.rule for name, spec in SPECS.items() if spec.rule is not None}
 
-__all__ = ["VERIFIERS", "VERIFIER_LAWS", "DEFAULT_VERIFIER", "LAW_OF_VERIFIER", "VERIFIER_RULES", "SPECS",
+#: LOSSY verifiers, apart from the table above: never a default, never under ``--exact``. ``judge`` (judge decoding,
+#: arXiv 2501.19309, temperature 0): ``(tree, target_scores, judge_logits, threshold) -> JudgedResult``, run by the
+#: generate loop when its config names a judge (``--judge``)
+LOSSY_VERIFIERS = {"judge": verify_judge}
+
+__all__ = ["LOSSY_VERIFIERS", "JudgedResult", "verify_judge", "VERIFIERS", "VERIFIER_LAWS", "DEFAULT_VERIFIER", "LAW_OF_VERIFIER", "VERIFIER_RULES", "SPECS",
            "VerifierSpec", "VerifyResult", "output_law", "resolve_verifier", "verifier", "verify_tree"]
