@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (add_output_args, finish, host_name, load_prompts,  # noqa: E402
                                open_results_from_args, write_json)
 from benchmarks.report import sign_test  # noqa: E402
+from treespec.files import atomic_write_text  # noqa: E402
 
 WORDS = ("apple river stone cloud garden window silver forest candle bridge paper orange winter market "
          "pencil island thunder mirror basket rocket violin meadow castle dragon").split()
@@ -161,15 +162,16 @@ def summarise(task_rows: list[dict], prompt_rows: list[dict], names: list[str]) 
         acc = {}
         for kind in sorted({r["task"] for r in task_rows}):
             mine = [r for r in task_rows if r["task"] == kind]
-            acc[kind] = sum(r["runs"][name]["right"] for r in mine) / len(mine)
+            acc[kind] = f"{sum(r['runs'][name]['right'] for r in mine)}/{len(mine)}"
         right = [r["runs"][name]["right"] for r in task_rows]
+        changed = sum(r["runs"][name]["output"] != r["runs"]["lossless"]["output"] for r in task_rows)
         lost = sum(r["runs"]["lossless"]["right"] and not r["runs"][name]["right"] for r in task_rows)
         gained = sum(not r["runs"]["lossless"]["right"] and r["runs"][name]["right"] for r in task_rows)
         ratios = [r["runs"][name]["tok_s"] / r["runs"]["lossless"]["tok_s"] for r in prompt_rows]
         diverged = [r["runs"][name]["first_divergence"] for r in prompt_rows]
         out[name] = {
             "accuracy": sum(right) / max(len(right), 1), "accuracy_by_task": acc, "items": len(right),
-            "right_lost": lost, "right_gained": gained,
+            "right": sum(right), "right_lost": lost, "right_gained": gained, "answers_changed": changed,
             "speed_ratio_geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else None,
             **sign_test(ratios),
             "tau": statistics.fmean(r["runs"][name]["tau"] for r in prompt_rows) if prompt_rows else None,
@@ -186,21 +188,23 @@ def table(summary: dict, meta: dict) -> str:
     lines = [f"# Judge decoding (LOSSY) against the lossless default, {meta['host']}", "",
              f"Embedded Gemma-3-270M, {meta['dtype']}, temperature 0, `--draft lookup+head`; {meta['items']} task "
              f"items, {meta['prompts']} Spec-Bench prompts x {meta['max_new_tokens']} tokens; commit "
-             f"{meta['commit']}. Speed: geometric mean over prompts of tok/s against the lossless run of the same "
-             "prompt (sign test p). Divergence: share of emitted tokens the target would not have chosen.", "",
-             "| setting | accuracy | right lost / gained | speed vs lossless | faster / slower (p) | tau "
-             "| judged share | prompts diverged | first divergence (median token) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{meta['commit']}. Tasks: right answers (accuracy), right answers the judge took away / added, and "
+             "answers that differ from the lossless run's. Spec-Bench prompts: speed, the geometric mean over prompts "
+             "of tok/s against the lossless run of the same prompt (sign test p); tau; the judged share, emitted "
+             "tokens the target would not have chosen; prompts whose output left the lossless one, and where.", "",
+             "| setting | right (accuracy) | right lost / gained | answers changed | speed vs lossless "
+             "| faster / slower (p) | tau | judged share | prompts diverged | first divergence (median token) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         speed = "1 (itself)" if name == "lossless" else f"{s['speed_ratio_geomean']:.3f}x"
         test = "" if name == "lossless" else f"{s['wins']} / {s['losses']} ({s['p_sign']:.2g})"
         first = "" if s["first_divergence_median"] is None else f"{s['first_divergence_median']:g}"
-        lines.append(f"| {name} | {s['accuracy']:.3f} | {s['right_lost']} / {s['right_gained']} | {speed} | {test} "
-                     f"| {s['tau']:.2f} | {s['judged_share']:.3f} | {s['prompts_diverged']} / {s['prompts']} "
-                     f"| {first} |")
-    by_task = (f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in s["accuracy_by_task"].items())
+        lines.append(f"| {name} | {s['right']}/{s['items']} ({s['accuracy']:.3f}) | {s['right_lost']} / "
+                     f"{s['right_gained']} | {s['answers_changed']}/{s['items']} | {speed} | {test} | {s['tau']:.2f} "
+                     f"| {s['judged_share']:.3f} | {s['prompts_diverged']} / {s['prompts']} | {first} |")
+    by_task = (f"{name}: " + ", ".join(f"{k} {v}" for k, v in s["accuracy_by_task"].items())
                for name, s in summary.items())
-    lines += ["", "Accuracy by task: " + "; ".join(by_task)]
+    lines += ["", "Right answers by task: " + "; ".join(by_task)]
     return "\n".join(lines) + "\n"
 
 
@@ -217,10 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two items of each task, one prompt (a smoke check)")
     add_output_args(ap)
     args = ap.parse_args(argv)
-    for name in ("items", "max_new_tokens", "threads"):
+    for name in ("items", "max_new_tokens", "threads", "per_subtask"):
         if getattr(args, name) < 1:
             print(f"judge_quality: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if any(not t == t for t in args.thresholds or ()):
+        print("judge_quality: --thresholds must be numbers (no nan)", file=sys.stderr)
+        return 2
+    if args.judge != "shipped" and not Path(args.judge).is_file():
+        print(f"judge_quality: --judge {args.judge}: no judge file there (or 'shipped')", file=sys.stderr)
+        return 2
     if args.quick:
         args.items, args.max_new_tokens = 2, 16
     started = time.time()
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(folder / "results.json", {"meta": meta, "summary": summary, "judge_record": setup.judge_record,
                                          "tasks": task_rows, "prompts": prompt_rows,
                                          "settings": {k: v for k, v in vars(args).items() if k != "out"}})
-    (folder / "table.md").write_text(table(summary, meta))
+    atomic_write_text(folder / "table.md", table(summary, meta))
     finish(folder, started)
     print(table(summary, meta))
     print(f"judge_quality: wrote {folder}", file=sys.stderr)

@@ -147,7 +147,7 @@ def cli_flags(row: Row) -> str:
     if row.quantize is not None:
         words += ["--draft-quantize", row.quantize]
     if row.judge:
-        words += ["--judge", "shipped", "(LOSSY)"]
+        words += ["--judge", "shipped"]
     return " ".join(words)
 
 
@@ -172,7 +172,8 @@ def describe(row: Row, runner: str = "auto", runner_kind: str = "", lookup_token
         return f"treespec {custom.label}({settings}) {where}{state}"
     # on the GGUF target `--leaf-logits auto` depends on the draft: the row names its setting either way
     leaf = f" --leaf-logits {'on' if row.leaf_logits else 'off'}" if row.target == "ts_gguf" or not row.leaf_logits else ""
-    return f"treespec generate {cli_flags(row)} {where}{leaf}"
+    lossy = " (LOSSY: judge decoding)" if row.judge else ""
+    return f"treespec generate {cli_flags(row)} {where}{leaf}{lossy}"
 
 
 # ----------------------------------------------------------------------------------------------- methods

@@ -64,6 +64,7 @@ from benchmarks.methods import (  # noqa: E402,F401  (cli_drafter: the drafters 
     EXTRA_METHODS,
     LLAMA_METHODS,
     PROTOCOL_METHODS,
+    ROW,
     ROWS,
     RunOptions,
     Targets,
@@ -173,6 +174,9 @@ def apply_quick(args: argparse.Namespace) -> None:
 def wanted_methods(ap: argparse.ArgumentParser, args: argparse.Namespace, dtypes: list[str]) -> tuple[set, list]:
     """The rows asked for (the plain baselines always; the protocol also the CLI default's row of every block;
     llama.cpp rows only where llama-cpp-python is usable), and the notes of rows skipped. A 4-bit draft head outside bfloat16 is refused now, not hours later."""
+    unknown = sorted(set(args.methods or ()) - set(ROW))
+    if unknown:  # a misspelt or retired row would otherwise be left out without a word
+        ap.error(f"unknown --methods {', '.join(unknown)}: see --list-methods")
     wanted = set(args.methods or PROTOCOL_METHODS) | {"ts_plain", "hf_plain"}
     if args.methods is None:  # the protocol pairs every block with `treespec generate`'s default row
         wanted |= {cli_default_method(dtype, t) for dtype in dtypes for t in args.temperatures}

@@ -400,14 +400,20 @@ def _check_judge(args: argparse.Namespace) -> None:
         if args.judge_threshold is not None:
             raise CliInputError("--judge-threshold applies to --judge")
         return
-    for flag, used in (("--exact", args.exact), ("--plain", args.plain),
+    draft = "none" if args.plain else _resolved_draft(args)
+    for flag, used in (("--exact", args.exact), ("--plain", args.plain), (f"--draft {draft}", draft == "none"),
                        (f"--temperature {args.temperature}", args.temperature != 0),
-                       (f"--verifier {args.verifier}", args.verifier not in ("auto", "greedy"))):
+                       (f"--verifier {args.verifier}", args.verifier not in ("auto", "greedy")),
+                       ("--leaf-logits off", args.leaf_logits == "off")):
         if used:
             why = {"--exact": "--exact promises the target's own output and judge decoding is lossy",
-                   "--plain": "plain decoding drafts nothing to judge"}.get(flag, "judge decoding is defined here at "
-                                                                           "temperature 0 with its own verifier")
+                   "--plain": "plain decoding drafts nothing to judge", f"--draft {draft}": "nothing is drafted to "
+                   "judge", "--leaf-logits off": "a judged path may end at a leaf, whose row the judge needs"}.get(
+                flag, "judge decoding is defined here at temperature 0 with its own verifier")
             raise CliInputError(f"--judge cannot be combined with {flag}: {why}")
+    if args.judge == "shipped" and args.target not in ("embedded", EMBEDDED_GGUF):
+        raise CliInputError(f"--judge shipped was trained for the embedded Gemma-3-270M, not {args.target}: train a "
+                            f"judge for it (python -m treespec.distill judge) and pass its file")
     if args.judge != "shipped" and not os.path.isfile(args.judge):
         raise CliInputError(f"--judge {args.judge}: no judge file there (or 'shipped')")
     if args.judge_threshold is not None and math.isnan(args.judge_threshold):
@@ -797,6 +803,9 @@ def run_generate(args) -> int:
     result = generate(runner, prompt_ids, drafter, config, tokenizer=tokenizer,
                       on_tokens=_streamer(args, tokenizer, progress))
     info = _run_info(args, drafter, runner, dtype)
+    if config.judge is not None:  # which judge ran, and where it accepts (LOSSY)
+        t = config.judge.threshold
+        info["judge"] = {"file": args.judge, "threshold": t if math.isfinite(t) else str(t)}
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
                           "seed": result.seed, "statistics": {**result.summary(), **info,

@@ -20,7 +20,7 @@ import torch
 from .drafting.base import Draft, Drafter, DraftState, NoDrafter, feature_layers, reads_target_hidden
 from .drafting.judge import JudgeHead
 from .models.runner import TargetRunner, target_eos_ids, target_runner
-from .sampling import SamplingConfig, logits_to_probs
+from .sampling import SamplingConfig, first_argmax, logits_to_probs
 from .verify import LOSSY_VERIFIERS, VERIFIERS, JudgedResult, VerifyResult, resolve_verifier
 
 
@@ -295,6 +295,13 @@ class _TreePass:
         self.features = {"feature_layers": feature_layers(drafter)} if feature_layers(drafter) else {}
         self.hidden = reads_target_hidden(drafter)
         self.judge = config.judge  # judge decoding reads the last hidden state of every node
+        if self.judge is not None:
+            model = getattr(runner, "model", None)
+            if model is None:
+                raise ValueError(f"judge decoding reads the target's hidden states through a PyTorch target; "
+                                 f"{type(runner).__name__} has none")
+            cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            self.judge.check_target(runner.vocab_size, getattr(cfg, "hidden_size", None))
         self.out: dict = {}
         self.rows: torch.Tensor | None = None  # [R] the nodes the last pass gave rows for; None: every node
 
@@ -317,8 +324,9 @@ class _TreePass:
         self.out = self.runner.forward(tree, nodes, need_hidden=self.hidden or judge, **picked, **self.features)
         logits = self.out["logits"]  # [num_nodes or R, vocab]
         if judge:  # LOSSY: judge decoding (temperature 0)
-            judge_logits = self.judge.node_logits(tree, logits, self.out["hidden"])  # [num_nodes]
-            return LOSSY_VERIFIERS["judge"](tree, logits, judge_logits, self.judge.threshold)
+            best = first_argmax(logits)  # [num_nodes] the target's greedy token after each node
+            judge_logits = self.judge.node_logits(tree, logits, self.out["hidden"], best)  # [num_nodes]
+            return LOSSY_VERIFIERS["judge"](tree, logits, judge_logits, self.judge.threshold, best)
         # the greedy verifier needs only each row's argmax: logits serve as they are
         target_probs = logits if verifier.name == "greedy" else logits_to_probs(logits, self.sampling)
         return verifier.verify(tree, target_probs, draft.draft_probs, generator)

@@ -55,7 +55,8 @@ def test_variant_rows_and_baselines_keep_the_build_order():
     variant = methods.variant_row(["q4", "head", "2,1", "0.2", "without_replacement", "int4"])
     names = [r.name for r in ordered_rows(wanted, [variant], "auto")]
     assert names == ["ts_plain", "ts_plain_eager", "ts_ngram", "ts_head", "ts_head_int4", "ts_head_bf16",
-                     "ts_head_chain", "ts_lookup_head", "q4", "ts_lookup_head_judge", "ts_plain_int4", "ts_ngram_int4", "ts_lookup_head_int4",
+                     "ts_head_chain", "ts_lookup_head", "q4", "ts_lookup_head_judge", "ts_plain_int4", "ts_ngram_int4",
+                     "ts_lookup_head_int4",
                      "ts_plain_int8h", "ts_head_int8h", "ts_lookup_head_int8h",
                      "ts_ngram_tree", "ts_online_ngram", "ts_lookup12_head", "ts_lookup16_head", "ts_head_dyspec",
                      "ts_lookup_dyspec", "ts_head_eagle2", "ts_head_dyspec_c02",
@@ -95,9 +96,19 @@ def test_the_judge_row_is_lossy_and_runs_at_temperature_0_only(capsys):
     line, before anything loads."""
     from benchmarks import run
 
-    assert describe(ROW["ts_lookup_head_judge"]).startswith("treespec generate --draft lookup+head --judge shipped "
-                                                            "(LOSSY)")
+    text = describe(ROW["ts_lookup_head_judge"])
+    assert text.startswith("treespec generate --draft lookup+head --judge shipped ") and text.endswith("(LOSSY: judge "
+                                                                                                       "decoding)")
     with pytest.raises(SystemExit) as exc:
         run.main(["--methods", "ts_lookup_head_judge", "--temperatures", "0", "1", "--no-llama"])
     assert exc.value.code == 2
     assert "judge decoding (LOSSY) is defined at temperature 0 only" in capsys.readouterr().err
+
+
+def test_run_refuses_an_unknown_method_by_name(capsys):
+    """A misspelt row was left out of a run without a word; now one line names it, exit 2."""
+    from benchmarks import run
+
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--methods", "ts_lookup_head", "ts_lokup_head", "--no-llama"])
+    assert exc.value.code == 2 and "unknown --methods ts_lokup_head" in capsys.readouterr().err

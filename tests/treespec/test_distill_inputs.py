@@ -652,3 +652,38 @@ def test_empty_newest_checkpoint_by_command_line(resumable, tmp_path):
                           cwd=Path(__file__).resolve().parents[2], timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "ckpt-99.pt" in proc.stderr, proc.stderr
+
+
+def test_judge_from_stored_greedy_continuations_by_command_line(model_dir, tmp_path, capsys):
+    """``judge``: judge decoding's judge trained on a greedy continuation folder, written with its record (the
+    target's vocabulary, scores on held-out sequences, the threshold), the rows kept and reused with --rows-cache;
+    sampled continuations and bad settings are one error line, exit 2, nothing written."""
+    from treespec.distill.continuations import ContinuationOptions, build_continuations
+    from treespec.drafting.judge import JudgeHead
+
+    p, cont, model = continuation_folder(model_dir, tmp_path, 0, 6, new_tokens=16)
+    common = ["judge", "--target", model_dir, "--dtype", "float32", "--no-progress", "--prompts", p,
+              "--continuations", cont, "--positions", 6, "--resync", 2, "--epochs", 2, "--held-out", 0.34,
+              "--precision", 0.5, "--rows-cache", tmp_path / "rows.pt"]
+    code, out, err = run_cli([*common, "--out", tmp_path / "judge.safetensors", "--json", tmp_path / "r.json"],
+                             capsys)
+    assert code == 0, err
+    record = last_json(out)
+    assert record["lossy"] is True and record["sequences"] == 6 and record["held_out_scores"]["rows"] > 0
+    assert record["target_vocab_size"] == model.config.vocab_size
+    judge = JudgeHead.load(tmp_path / "judge.safetensors")
+    assert judge.extra == json.loads((tmp_path / "r.json").read_text()) and (tmp_path / "rows.pt").is_file()
+    code, out, err = run_cli([*common, "--out", tmp_path / "again.safetensors"], capsys)
+    assert code == 0 and "judge rows:" not in err and last_json(out)["rows"] == record["rows"]  # rows reused
+    for extra, words in ((["--precision", 1.5], "--precision must be in (0, 1]"), (["--resync", 0], "--resync must"),
+                         (["--chunks", "7:9"], "no finished chunk")):
+        code, _, err = run_cli([*common, *extra, "--out", tmp_path / "x.safetensors"], capsys)
+        assert code == 2 and words in err and err.count("\n") == 1, (extra, err)
+    sampled = tmp_path / "sampled"
+    build_continuations(model, [[5, 6, 7]] * 2, sampled, ContinuationOptions(mode="sample", new_tokens=4,
+                        batch_size=2, chunk_size=2), eos={2}, progress=False,
+                        source={"prompts": p.name, "rows": "0:2", "order_seed": 0})
+    code, _, err = run_cli(["judge", "--target", model_dir, "--prompts", p, "--continuations", sampled,
+                            "--out", tmp_path / "x.safetensors"], capsys)
+    assert code == 2 and "need the target's greedy text" in err
+    assert not (tmp_path / "x.safetensors").exists()

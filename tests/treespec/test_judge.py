@@ -24,7 +24,7 @@ import torch
 
 from treespec.cli import main as cli_main
 from treespec.distill.judge import (JudgeRows, JudgeRowsOptions, JudgeTrainOptions, auc, branch_tree,
-                                    choose_threshold, collect_rows, sequence_rows, train_judge)
+                                    choose_threshold, collect_rows, sequence_rows, substitutions, train_judge)
 from treespec.drafting.base import Draft, DraftState, tree_device
 from treespec.drafting.judge import JudgeHead, JudgeHeadConfig
 from treespec.generate import GenerationConfig, generate
@@ -113,8 +113,8 @@ def test_node_logits_follow_the_formula():
     w, b = head.linear.weight[0].detach(), float(head.linear.bias)
     for _ in range(20):
         tree = random_tree(rng, rng.randint(2, 9), 6)
-        scores, hidden = torch.randn(tree.num_nodes, 6, generator=gen), torch.randn(tree.num_nodes, 12, generator=gen)
-        got = head.node_logits(tree, scores, hidden)
+        scores, hidden = torch.randn(tree.num_nodes, 6, generator=gen), torch.randn(tree.num_nodes, 16, generator=gen)
+        got = head.node_logits(tree, scores, hidden, scores.argmax(-1))
         assert got[0] == -math.inf
         for c in range(1, tree.num_nodes):
             u, x = int(tree.parents[c]), int(tree.tokens[c])
@@ -123,7 +123,22 @@ def test_node_logits_follow_the_formula():
                                                                                      + 1.0) / 2.0])])
             assert float(got[c]) == pytest.approx(float(feats @ w + b), abs=1e-5)
     with pytest.raises(ValueError, match="hidden states of width 8"):
-        head.node_logits(TokenTree.chain(0, [1]), torch.randn(2, 6), torch.randn(2, 4))
+        head.node_logits(TokenTree.chain(0, [1]), torch.randn(2, 6), torch.randn(2, 12),
+                         torch.zeros(2, dtype=torch.long))
+
+
+def test_a_gap_below_the_training_rows_is_never_accepted():
+    """A linear judge extrapolates: a token far below the greedy one (where the shipped judge's gap weight would
+    raise its logit) is refused once its gap lies below ``gap_min``, whatever the logit."""
+    head = _judge(8, threshold=-math.inf)
+    with torch.no_grad():
+        head.linear.weight[0, -1] = -5.0  # a judge that likes far-off tokens
+    head.gap_min.fill_(-3.0)
+    tree = TokenTree.from_lists([-1, 0, 0], [0, 1, 2])
+    scores = torch.tensor([[5.0, 4.0, -10.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # gaps: node 1 -1, node 2 -15
+    got = head.node_logits(tree, scores, torch.randn(3, 8), scores.argmax(-1))
+    assert math.isfinite(float(got[1])) and got[2] == -math.inf
+    assert verify_judge(tree, scores, got, -math.inf).accepted_nodes == [1]
 
 
 def test_judge_file_round_trip_and_refusals(tmp_path):
@@ -227,17 +242,16 @@ def _reference_rows(model, ids, gen_start, opts, generator):
     with torch.no_grad():
         for j in js:
             logits = model(torch.tensor([ids[:j]])).logits[0, -1]
-            top = logits.topk(opts.alternatives + 1)
-            if int(top.indices[0]) != ids[j]:
+            order = torch.argsort(logits, descending=True).tolist()
+            if order[0] != ids[j]:
                 continue
-            for rank in range(1, opts.alternatives + 1):
-                b = int(top.indices[rank])
+            for b in substitutions(order[:101], V, opts, generator):
                 seq = ids[:j] + [b] + ids[j + 1:j + k]
                 out = model(torch.tensor([seq]), output_hidden_states=True)
                 best = out.logits[0, j:j + k].argmax(-1).tolist()
                 labels.append(float(best == ids[j + 1:j + 1 + k]))
                 hidden.append(out.hidden_states[-1][0, j])
-                gaps.append(float(top.values[rank] - top.values[0]))
+                gaps.append(float(logits[b] - logits[order[0]]))
     return torch.stack(hidden), torch.tensor(gaps), torch.tensor(labels)
 
 
@@ -247,7 +261,7 @@ def test_labels_of_the_tree_pass_equal_causal_forwards():
     opts = JudgeRowsOptions(positions=6, alternatives=3, resync=3, max_tokens=20)
     rng = random.Random(3)
     with torch.no_grad():
-        positives = 0
+        positives = negatives = 0
         for s in range(4):
             prompt = [rng.randrange(V) for _ in range(6)]
             cfg = GenerationConfig(max_new_tokens=20, sampling=T0, stop_on_eos=False)
@@ -259,12 +273,13 @@ def test_labels_of_the_tree_pass_equal_causal_forwards():
             assert torch.allclose(got[1], want[1], atol=1e-4)
             assert torch.allclose(got[0].float(), want[0].half().float(), atol=2e-3)
             positives += int(got[2].sum())
-        assert 0 < positives  # both labels occur
+            negatives += int((got[2] == 0).sum())
+        assert positives > 0 and negatives > 0  # both labels occur
 
 
 def test_collect_rows_numbers_sequences_and_refuses_text_the_target_did_not_choose():
     model = tiny_model("llama", V, seed=11, logit_scale=2.0)
-    opts = JudgeRowsOptions(positions=4, alternatives=2, resync=2)
+    opts = JudgeRowsOptions(positions=4, alternatives=2, far=0, resync=2)
     cfg = GenerationConfig(max_new_tokens=16, sampling=T0, stop_on_eos=False)
     seqs = [(p + generate(model, p, None, cfg).token_ids, len(p)) for p in ([1, 2, 3], [5, 6])]
     rows = collect_rows(ModelRunner(model), seqs, opts)
@@ -333,7 +348,8 @@ def test_cli_judge_run_is_marked_lossy(capsys, tiny_dir):
     assert _cli(tiny_dir, "--json", "--judge", str(tiny_dir / "judge.safetensors"), "--judge-threshold=-inf") == 0
     out, err = capsys.readouterr()
     stats = json.loads(out)["statistics"]
-    assert stats["lossy"] is True and stats["judged_tokens"] >= 0
+    assert stats["lossy"] is True and stats["judged_tokens"] > 0  # every draft accepted: some the target did not choose
+    assert stats["judge"] == {"file": str(tiny_dir / "judge.safetensors"), "threshold": "-inf"}
     assert _cli(tiny_dir, "--judge", str(tiny_dir / "judge.safetensors")) == 0
     assert "LOSSY: judge decoding kept" in capsys.readouterr().err
     assert _cli(tiny_dir, "--json") == 0
@@ -345,6 +361,9 @@ def test_cli_judge_run_is_marked_lossy(capsys, tiny_dir):
     (["--plain"], "plain decoding drafts nothing"),
     (["--temperature", "1"], "temperature 0"),
     (["--verifier", "deterministic"], "--verifier deterministic"),
+    (["--draft", "none"], "--draft none: nothing is drafted"),
+    (["--leaf-logits", "off"], "--leaf-logits off"),
+    (["--judge-threshold=nan"], "--judge-threshold must be a number"),
 ])
 def test_cli_judge_refusals(capsys, tiny_dir, argv, words):
     assert _cli(tiny_dir, "--judge", str(tiny_dir / "judge.safetensors"), *argv) == 2
@@ -357,3 +376,36 @@ def test_cli_judge_missing_file_and_stray_threshold(capsys, tiny_dir):
     assert "no judge file there" in capsys.readouterr().err
     assert _cli(tiny_dir, "--judge-threshold", "1") == 2
     assert "--judge-threshold applies to --judge" in capsys.readouterr().err
+
+
+def test_cli_shipped_judge_only_on_the_embedded_pytorch_target(capsys, tiny_dir):
+    """The shipped judge reads Gemma-3-270M's hidden states: refused on another target, and on the GGUF target
+    (llama.cpp); ``--target auto`` keeps the PyTorch target for it, saying why."""
+    import torch
+
+    from treespec.cli import build_parser, resolve_target
+
+    assert _cli(tiny_dir, "--judge", "shipped") == 2
+    assert "trained for the embedded Gemma-3-270M" in capsys.readouterr().err
+    code = cli_main(["generate", "hello", "--target", "embedded-gguf", "--judge", "shipped", "--draft", "ngram"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--judge applies to PyTorch targets" in err and len(err.strip().splitlines()) == 1
+    args = build_parser().parse_args(["generate", "hello", "--judge", "shipped"])
+    target, why = resolve_target(args, dtype=torch.float32)
+    assert target == "embedded" and "--judge asks for it" in why
+
+
+def test_the_engine_reads_every_row_for_a_judge_and_refuses_another_target(target):
+    """``leaf_logits=False`` asks a lossless run for the rows of nodes with children only; a judged path may end at
+    a leaf, so a judge gets every row (greedy identity with a judge that accepts nothing holds either way). A
+    judge trained for another vocabulary or hidden width is refused by name, before any pass."""
+    plain = generate(target, PROMPT, None, GenerationConfig(max_new_tokens=16, sampling=T0, stop_on_eos=False))
+    cfg = GenerationConfig(max_new_tokens=16, sampling=T0, stop_on_eos=False, leaf_logits=False,
+                           judge=_judge(32, threshold=math.inf))
+    assert generate(target, PROMPT, FixedChain(3, 2), cfg).token_ids == plain.token_ids
+    other = _judge(32)
+    other.extra = {"target_vocab_size": V + 1}
+    with pytest.raises(ValueError, match=f"trained for a target of {V + 1} tokens"):
+        generate(target, PROMPT, FixedChain(3, 2), GenerationConfig(sampling=T0, judge=other))
+    with pytest.raises(ValueError, match="hidden states of width 16"):
+        generate(target, PROMPT, FixedChain(3, 2), GenerationConfig(sampling=T0, judge=_judge(16)))

@@ -266,7 +266,7 @@ def _check_numbers(args) -> None:
     """Options that argparse types cannot bound: a bad value is a :class:`DistillInputError`."""
     lows = {"threads": 1, "max_prompts": 1, "max_len": 2, "num_prompts": 1, "max_prompt_len": 1,
             "new_tokens": 1, "tau_prompts": 1, "depths": 1, "positions": 1, "draws": 1, "width": 1, "epochs": 1,
-            "batch": 1, "alternatives": 1, "resync": 1, "max_tokens": 2}
+            "batch": 1, "alternatives": 1, "resync": 1, "max_tokens": 2, "far": 0}
     for name, low in lows.items():
         value = getattr(args, name, None)
         if value is not None and value < low:
@@ -679,21 +679,23 @@ def _judge(args) -> None:
 
     folder = Path(args.continuations)
     tok = load_tokenizer(args.target)
-    try:
-        stored = continuation_sequences(folder, _continuation_prompts(folder, args.rows, args.prompts, tok))
-    except ValueError as err:
-        raise DistillInputError(str(err)) from None
-    mode = load_continuation_manifest(folder).get("options", {}).get("mode")
+    prompt_ids = _continuation_prompts(folder, args.rows, args.prompts, tok)  # a folder without a manifest: refused
+    options = load_continuation_manifest(folder).get("options")
+    mode = options.get("mode") if isinstance(options, dict) else None
     if mode != "greedy":
         raise DistillInputError(f"--continuations {folder}: the judge's labels need the target's greedy text; this "
                                 f"folder's continuations are {mode!r}")
+    try:
+        stored = continuation_sequences(folder, prompt_ids)
+    except ValueError as err:
+        raise DistillInputError(str(err)) from None
     first, end = _span(args.chunks, "--chunks")
     chunks = [c for c in stored.chunks if c >= first and (end is None or c < end)]
     if not chunks:
         raise DistillInputError(f"--chunks {args.chunks}: no finished chunk of {folder} in that range")
     sequences = [pair for c in chunks for pair in zip(*stored.chunk(c))]
     model = load_model(args.target, dtype=args.dtype)
-    rows_opts = JudgeRowsOptions(args.positions, args.alternatives, args.resync, args.max_tokens, args.seed)
+    rows_opts = JudgeRowsOptions(args.positions, args.alternatives, args.far, args.resync, args.max_tokens, args.seed)
     key = {"format": 1, "what": "judge", "target": str(args.target), "fingerprint": stored.fingerprint,
            "chunks": chunks, "row_options": rows_opts.__dict__, "dtype": str(model.dtype)}
     all_rows = load_rows(args.rows_cache, key, JudgeRows) if args.rows_cache else None
@@ -705,7 +707,8 @@ def _judge(args) -> None:
     train_opts = JudgeTrainOptions(args.epochs, args.batch, args.lr, args.weight_decay, args.validation,
                                    args.precision, args.seed)
     judge = train_judge(train_rows, model.config.get_text_config().hidden_size, train_opts)
-    record = {"lossy": True, "continuations": str(folder), "chunks": chunks, "sequences": len(sequences),
+    record = {"lossy": True, "target": str(args.target), "target_vocab_size": int(model.config.get_text_config(
+              ).vocab_size), "continuations": str(folder), "chunks": chunks, "sequences": len(sequences),
               "rows": train_rows.size, "held_out_rows": held.size, "row_options": rows_opts.__dict__,
               "train_options": train_opts.__dict__, "best_epoch": judge.epoch,
               # None: no threshold reached the precision on the validation sequences (the judge accepts nothing)

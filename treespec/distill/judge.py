@@ -7,10 +7,13 @@ prompts (stored by :mod:`.continuations`):
 
 **A substitution is acceptable when the target does not notice it.** At a position ``j`` of a continuation where
 the text's token ``y_j`` is the target's greedy choice, each of the target's next-ranked tokens ``b`` (ranks 2 to
-``alternatives + 1``) is put in ``y_j``'s place; the label is 1 when the target's greedy choice after ``b`` is the
-text again for the next ``resync`` tokens (``argmax p(. | y_<j, b) = y_{j+1}``, ..., ``argmax p(. | y_<j, b,
-y_{j+1..j+resync-1}) = y_{j+resync}``), else 0. One tree pass per sequence computes every label and feature: the
-text as a chain, and at each sampled position one branch per alternative, ``b`` followed by the text.
+``alternatives + 1``), and ``far`` tokens far down its ranking (one from ranks up to 100, the rest from the whole
+vocabulary: what an n-gram lookup may propose), is put in ``y_j``'s place; the label is 1 when the target's
+greedy choice after ``b`` is the text again for the next ``resync`` tokens (``argmax p(. | y_<j, b) = y_{j+1}``,
+..., ``argmax p(. | y_<j, b, y_{j+1..j+resync-1}) = y_{j+resync}``), else 0. Two passes per sequence: a causal
+pass over the text gives the target's ranking at the sampled positions, then one tree pass computes every label
+and feature: the text as a chain, and at each sampled position one branch per substitution, ``b`` followed by the
+text.
 
 What the label can and cannot tell: it accepts a token the target treats as interchangeable in context (a
 synonym, another article, a different but equivalent phrasing that joins the same text) and rejects one that
@@ -42,6 +45,7 @@ from ..tree import TokenTree
 class JudgeRowsOptions:
     positions: int = 16  # sampled positions per sequence
     alternatives: int = 3  # the target's ranks 2 .. alternatives + 1 at each position
+    far: int = 2  # substitutions far down the ranking: one from ranks <= 100, the rest from the whole vocabulary
     resync: int = 4  # tokens after the substitution that must be the text again for label 1
     max_tokens: int = 96  # generated tokens of a sequence read (bounds the tree pass)
     seed: int = 0
@@ -83,12 +87,28 @@ def branch_tree(ids: list[int], root: int, branches: list[tuple[int, int]], resy
     return TokenTree.from_lists(parents, tokens), nodes
 
 
+def substitutions(order: list[int], vocab_size: int, opts: JudgeRowsOptions, generator: torch.Generator) -> list[int]:
+    """The tokens put in place of the greedy token ``order[0]`` (``order``: the target's ranking, best first, at
+    least its top 101 where the vocabulary has them): ranks 2 .. ``alternatives + 1``, then ``far`` tokens (one
+    drawn from the rest of ``order``, the others from the whole vocabulary), each token once, never ``order[0]``."""
+    out = order[1:opts.alternatives + 1]
+    rest = order[opts.alternatives + 1:]
+    far = [rest[int(torch.randint(len(rest), (1,), generator=generator))]] if rest and opts.far else []
+    far += torch.randint(vocab_size, (max(opts.far - 1, 0),), generator=generator).tolist()
+    for t in far:
+        if t != order[0] and t not in out:
+            out.append(t)
+    return out
+
+
 @torch.no_grad()
 def sequence_rows(runner, ids: list[int], gen_start: int, opts: JudgeRowsOptions, generator: torch.Generator
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """One sequence's rows ``(hidden [n, H], gap [n], label [n])`` (module docstring), or None when it has no
     position to label. ``runner``: a target runner (:mod:`treespec.models.runner`), reset here."""
     k, device = opts.resync, runner.device
+    if gen_start < 1:
+        raise ValueError("a sequence's continuation must follow at least one prompt token (gen_start >= 1)")
     ids = ids[:gen_start + opts.max_tokens]
     candidates = list(range(max(gen_start, 1), len(ids) - k))  # y_{j+1 .. j+k} exist
     if not candidates:
@@ -100,15 +120,15 @@ def sequence_rows(runner, ids: list[int], gen_start: int, opts: JudgeRowsOptions
     out = runner.forward(None, None, torch.tensor(ids, device=device),
                          rows=torch.tensor([j - 1 for j in js], device=device))
     logits = out["logits"].float()  # [P, V]
-    top = logits.topk(opts.alternatives + 1, dim=-1)
-    tops = top.indices.tolist()
+    ranked = logits.topk(min(logits.shape[1], max(opts.alternatives + 1, 101)), dim=-1).indices  # [P, R]
     branches, gaps = [], []
     for row, j in enumerate(js):
-        if tops[row][0] != ids[j]:  # the text is not the target's greedy choice here (batched rounding)
+        order = ranked[row].tolist()
+        if order[0] != ids[j]:  # the text is not the target's greedy choice here (batched rounding)
             continue
-        for rank in range(1, opts.alternatives + 1):
-            branches.append((j, tops[row][rank]))
-            gaps.append(float(top.values[row, rank] - top.values[row, 0]))
+        for b in substitutions(order, logits.shape[1], opts, generator):
+            branches.append((j, b))
+            gaps.append(float(logits[row, b] - logits[row, order[0]]))
     if not branches:
         return None
     # pass 2: the text as a tree with one branch per alternative; rows of the branch nodes only
@@ -203,6 +223,7 @@ def train_judge(rows: JudgeRows, hidden_size: int, opts: JudgeTrainOptions = Jud
     head = JudgeHead(JudgeHeadConfig(hidden_size))
     head.gap_shift.fill_(float(fit.gap.mean()))
     head.gap_scale.fill_(max(float(fit.gap.std()), 1e-3))
+    head.gap_min.fill_(float(fit.gap.min()))
     optim = torch.optim.AdamW(head.linear.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     gen = torch.Generator().manual_seed(opts.seed)
     best, best_epoch, best_state = _loss(head, val), 0, copy.deepcopy(head.state_dict())
@@ -226,20 +247,27 @@ def train_judge(rows: JudgeRows, hidden_size: int, opts: JudgeTrainOptions = Jud
 
 
 def auc(score: torch.Tensor, label: torch.Tensor) -> float:
-    """Area under the ROC curve of ``score`` for ``label`` (ties count half); nan with one class only."""
-    pos, neg = score[label > 0.5], score[label <= 0.5]
-    if not pos.numel() or not neg.numel():
+    """Area under the ROC curve of ``score`` for ``label`` (ties count half), from ranks (Mann-Whitney U) in
+    O(N log N); nan with one class only."""
+    pos = label > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if not n_pos or not n_neg:
         return math.nan
-    greater = (pos[:, None] > neg[None, :]).float().mean()
-    ties = (pos[:, None] == neg[None, :]).float().mean()
-    return float(greater + 0.5 * ties)
+    order = torch.argsort(score)
+    _, inverse, counts = torch.unique_consecutive(score[order], return_inverse=True, return_counts=True)
+    counts = counts.double()
+    mean_rank = torch.cumsum(counts, 0) - (counts - 1) / 2  # 1-based mean rank of each group of ties
+    ranks = torch.empty(score.numel(), dtype=torch.float64).index_copy_(0, order, mean_rank[inverse])
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 def score(head: JudgeHead, rows: JudgeRows) -> dict[str, float]:
     """On ``rows``: the share of label 1, the judge's cross-entropy and AUC beside the gap's alone, and at the
     head's threshold the accepted share, precision (None when it accepts nothing) and recall."""
+    if not rows.size:
+        return {"rows": 0}
     with torch.no_grad():
-        logit = head.logit(rows.hidden.float(), rows.gap)
+        logit = head.logit(rows.hidden.float(), rows.gap).masked_fill(rows.gap < head.gap_min, float("-inf"))
     y = rows.label
     accepted = logit > head.threshold
     hits = float((accepted & (y > 0.5)).sum())

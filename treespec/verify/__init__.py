@@ -48,5 +48,6 @@ VERIFIER_RULES = {name: spec.rule for name, spec in SPECS.items() if spec.rule i
 #: generate loop when its config names a judge (``--judge``)
 LOSSY_VERIFIERS = {"judge": verify_judge}
 
-__all__ = ["LOSSY_VERIFIERS", "JudgedResult", "verify_judge", "VERIFIERS", "VERIFIER_LAWS", "DEFAULT_VERIFIER", "LAW_OF_VERIFIER", "VERIFIER_RULES", "SPECS",
-           "VerifierSpec", "VerifyResult", "output_law", "resolve_verifier", "verifier", "verify_tree"]
+__all__ = ["LOSSY_VERIFIERS", "JudgedResult", "verify_judge", "VERIFIERS", "VERIFIER_LAWS", "DEFAULT_VERIFIER",
+           "LAW_OF_VERIFIER", "VERIFIER_RULES", "SPECS", "VerifierSpec", "VerifyResult", "output_law",
+           "resolve_verifier", "verifier", "verify_tree"]

@@ -32,12 +32,13 @@ class JudgedResult(VerifyResult):
 
 
 def verify_judge(tree: TokenTree, target_scores: torch.Tensor, judge_logits: torch.Tensor,
-                 threshold: float) -> JudgedResult:
+                 threshold: float, best: torch.Tensor | None = None) -> JudgedResult:
     """The accepted path under judge decoding (temperature 0, lossy).
 
     target_scores ``[num_nodes, V]``: the target's logits (or probabilities) after every node, leaves
     included (a judged path may end at any node). judge_logits ``[num_nodes]``: the judge's logit for each
     node's own token (the root's is ignored). threshold: a node is judged acceptable when its logit is above it.
+    best ``[num_nodes]``: each row's greedy token where the caller has it (``first_argmax(target_scores)``).
     """
     check_inputs(tree, target_scores, None, False, "judge")
     if target_scores.shape[0] != tree.num_nodes:
@@ -45,17 +46,17 @@ def verify_judge(tree: TokenTree, target_scores: torch.Tensor, judge_logits: tor
                          f"{target_scores.shape[0]}: a judged path may end at a leaf")
     if judge_logits.shape != (tree.num_nodes,):
         raise ValueError(f"judge_logits must be [num_nodes] = [{tree.num_nodes}], got {list(judge_logits.shape)}")
-    best = first_argmax(target_scores)  # [n] the target's greedy token after each node
+    best = first_argmax(target_scores) if best is None else best  # [n] the target's greedy token after each node
     kids = tree.children  # [n, K]
     valid = kids >= 0
     safe = kids.clamp(min=0)
     match = valid & (tree.tokens[safe] == best[:, None])  # [n, K] children the target would choose
-    judged = valid & (judge_logits[safe] > threshold)  # [n, K] children the judge accepts
-    # the target's choice first; else the judged child with the highest logit
-    score = torch.where(match, torch.full_like(judge_logits[safe], float("inf")),
-                        torch.where(judged, judge_logits[safe].float(), torch.full_like(judge_logits[safe],
-                                                                                       float("-inf"))))
-    pick = score.float().argmax(dim=1, keepdim=True)  # [n, 1]
+    logit = judge_logits[safe].float()  # [n, K]
+    judged = valid & (logit > threshold)  # [n, K] children the judge accepts
+    # the target's choice first (its first such child); else the judged child with the highest logit
+    own = match.to(torch.int8).argmax(dim=1)  # [n]
+    top_judged = torch.where(judged, logit, torch.full_like(logit, float("-inf"))).argmax(dim=1)  # [n]
+    pick = torch.where(match.any(dim=1), own, top_judged)[:, None]  # [n, 1]
     next_node = torch.where((match | judged).any(dim=1), kids.gather(1, pick).squeeze(1), torch.full_like(best, -1))
     cur = _walk(tree, next_node)
     base = _result(tree, cur, at(best, cur), at(tree.num_children, cur) == 0, torch.ones((), dtype=torch.bool))
