@@ -267,9 +267,9 @@ def score(head: JudgeHead, rows: JudgeRows) -> dict[str, float]:
     if not rows.size:
         return {"rows": 0}
     with torch.no_grad():
-        logit = head.logit(rows.hidden.float(), rows.gap).masked_fill(rows.gap < head.gap_min, float("-inf"))
+        logit = head.logit(rows.hidden.float(), rows.gap)  # the cross-entropy and AUC score the judge's logits
     y = rows.label
-    accepted = logit > head.threshold
+    accepted = (logit > head.threshold) & (rows.gap >= head.gap_min)  # as the engine decides
     hits = float((accepted & (y > 0.5)).sum())
     return {"rows": rows.size, "mean_label": float(y.mean()), "xent": float(F.binary_cross_entropy_with_logits(
         logit, y)), "auc": auc(logit, y), "gap_auc": auc(rows.gap, y), "accepted_share": float(accepted.float().mean()),
