@@ -24,7 +24,8 @@ import torch
 
 from treespec.cli import main as cli_main
 from treespec.distill.judge import (JudgeRows, JudgeRowsOptions, JudgeTrainOptions, auc, branch_tree,
-                                    choose_threshold, collect_rows, sequence_rows, substitutions, train_judge)
+                                    choose_threshold, collect_rows, sequence_rows, split_sequences, substitutions,
+                                    train_judge)
 from treespec.drafting.base import Draft, DraftState, tree_device
 from treespec.drafting.judge import JudgeHead, JudgeHeadConfig
 from treespec.generate import GenerationConfig, generate
@@ -307,6 +308,14 @@ def test_choose_threshold_and_auc_against_brute_force():
         if pos and neg:
             brute = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg) / (len(pos) * len(neg))
             assert auc(logits, label) == pytest.approx(brute)
+
+
+def test_split_keeps_sequences_whole():
+    seq = torch.arange(40) // 4  # 10 sequences of 4 rows
+    rows = JudgeRows(torch.zeros(40, 2).half(), torch.zeros(40), torch.zeros(40), seq)
+    kept, aside = split_sequences(rows, 0.3, seed=0)
+    assert kept.size + aside.size == 40 and aside.size == 12
+    assert not set(kept.sequence.tolist()) & set(aside.sequence.tolist())
 
 
 def test_training_separates_separable_rows():
