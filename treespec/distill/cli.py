@@ -190,22 +190,27 @@ def _add_export(sub) -> None:
                    help="with --format speculators: leave out the embedding table (engines that share the target's)")
 
 
+def _stored_rows_arguments(p: argparse.ArgumentParser, folder: str, out: str) -> None:
+    """The options of a head trained on rows collected from stored continuations (``acceptance``, ``judge``)."""
+    _common_arguments(p)
+    p.add_argument("--continuations", required=True, help=f"{folder} (build_continuations)")
+    p.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
+    p.add_argument("--prompts", default=DEFAULT_TRAIN, help="the train prompts jsonl the continuations came from")
+    p.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
+    p.add_argument("--out", required=True, help=f"{out} .safetensors to write (atomically)")
+    p.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
+    p.add_argument("--json", default=None, help="write the scores and settings here too")
+    p.add_argument("--rows-cache", default=None,
+                   help="keep the collected rows in this file and reuse them when the same settings ask again")
+
+
 def _add_acceptance(sub) -> None:
     a = sub.add_parser("acceptance", help="train SpecDec++'s acceptance head for a draft head on stored continuations")
-    _common_arguments(a)
-    a.add_argument("--continuations", required=True, help="a continuation folder (build_continuations)")
-    a.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
-    a.add_argument("--prompts", default=DEFAULT_TRAIN, help="the train prompts jsonl the continuations came from")
-    a.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
+    _stored_rows_arguments(a, "a continuation folder", "acceptance head")
     a.add_argument("--head", default=None,
                    help="the draft head .safetensors, EAGLE or EAGLE-3 (default: the shipped head)")
-    a.add_argument("--out", required=True, help="acceptance head .safetensors to write (atomically)")
-    a.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
     a.add_argument("--validation", type=float, default=0.1,
                    help="share of the training sequences that choose the epoch (0: the last epoch)")
-    a.add_argument("--json", default=None, help="write the scores and settings here too")
-    a.add_argument("--rows-cache", default=None,
-                   help="keep the collected rows in this file and reuse them when the same settings ask again")
     from .acceptance import AcceptanceRowsOptions, AcceptanceTrainOptions
 
     _config_arguments(a, AcceptanceRowsOptions())
@@ -216,16 +221,7 @@ def _add_acceptance(sub) -> None:
 
 def _add_judge(sub) -> None:
     j = sub.add_parser("judge", help="train judge decoding's judge (LOSSY decoding) on stored greedy continuations")
-    _common_arguments(j)
-    j.add_argument("--continuations", required=True, help="a greedy continuation folder (build_continuations)")
-    j.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
-    j.add_argument("--prompts", default=DEFAULT_TRAIN, help="the train prompts jsonl the continuations came from")
-    j.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
-    j.add_argument("--out", required=True, help="judge head .safetensors to write (atomically)")
-    j.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
-    j.add_argument("--json", default=None, help="write the scores and settings here too")
-    j.add_argument("--rows-cache", default=None,
-                   help="keep the collected rows in this file and reuse them when the same settings ask again")
+    _stored_rows_arguments(j, "a greedy continuation folder", "judge head")
     from .judge import JudgeRowsOptions, JudgeTrainOptions
 
     _config_arguments(j, JudgeRowsOptions())
@@ -615,6 +611,29 @@ def _span(text: str | None, flag: str) -> tuple[int, int | None]:
         raise DistillInputError(f"{flag} {text!r}: expected START:END") from None
 
 
+def _stored_sequences(args, folder: Path, tokenizer, mode: str | None = None):
+    """``(stored, chunks, sequences)`` of ``--continuations``, ``--rows``, ``--prompts`` and ``--chunks``: the
+    folder's continuations, the finished chunks asked for and their ``(ids, gen_start)`` pairs; with ``mode`` the
+    folder must hold continuations of that mode. Refusals are :class:`DistillInputError` lines."""
+    from .continuations import continuation_sequences, load_continuation_manifest
+
+    prompt_ids = _continuation_prompts(folder, args.rows, args.prompts, tokenizer)  # no manifest: refused
+    options = load_continuation_manifest(folder).get("options")
+    found = options.get("mode") if isinstance(options, dict) else None
+    if mode is not None and found != mode:
+        raise DistillInputError(f"--continuations {folder}: the judge's labels need the target's {mode} text; this "
+                                f"folder's continuations are {found!r}")
+    try:
+        stored = continuation_sequences(folder, prompt_ids)
+    except ValueError as err:
+        raise DistillInputError(str(err)) from None
+    first, end = _span(args.chunks, "--chunks")
+    chunks = [c for c in stored.chunks if c >= first and (end is None or c < end)]
+    if not chunks:
+        raise DistillInputError(f"--chunks {args.chunks}: no finished chunk of {folder} in that range")
+    return stored, chunks, [pair for c in chunks for pair in zip(*stored.chunk(c))]
+
+
 def _acceptance(args) -> None:
     """``acceptance``: SpecDec++'s acceptance head for a draft head, from stored continuations."""
     from ..drafting.shipped import DEFAULT_HEAD
@@ -622,19 +641,9 @@ def _acceptance(args) -> None:
     from ..models.loading import load_model, load_tokenizer
     from .acceptance import (AcceptanceRowsOptions, AcceptanceTrainOptions, collect_rows, load_rows, save_rows,
                              score, split_rows, train_acceptance_head)
-    from .continuations import continuation_sequences
 
     folder = Path(args.continuations)
-    tok = load_tokenizer(args.target)
-    try:
-        stored = continuation_sequences(folder, _continuation_prompts(folder, args.rows, args.prompts, tok))
-    except ValueError as err:
-        raise DistillInputError(str(err)) from None
-    first, end = _span(args.chunks, "--chunks")
-    chunks = [c for c in stored.chunks if c >= first and (end is None or c < end)]
-    if not chunks:
-        raise DistillInputError(f"--chunks {args.chunks}: no finished chunk of {folder} in that range")
-    sequences = [pair for c in chunks for pair in zip(*stored.chunk(c))]
+    stored, chunks, sequences = _stored_sequences(args, folder, load_tokenizer(args.target))
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
     from ..drafting.head import LayerHead
     from ..drafting.head_files import head_class_of, load_layer_head, not_a_layer_head
@@ -673,27 +682,11 @@ def _judge(args) -> None:
     from ..models.fast import choose_runner
     from ..models.loading import load_model, load_tokenizer
     from .acceptance import load_rows, save_rows
-    from .continuations import continuation_sequences, load_continuation_manifest
     from .judge import JudgeRows, JudgeRowsOptions, JudgeTrainOptions, collect_rows, score, split_sequences, \
         train_judge
 
     folder = Path(args.continuations)
-    tok = load_tokenizer(args.target)
-    prompt_ids = _continuation_prompts(folder, args.rows, args.prompts, tok)  # a folder without a manifest: refused
-    options = load_continuation_manifest(folder).get("options")
-    mode = options.get("mode") if isinstance(options, dict) else None
-    if mode != "greedy":
-        raise DistillInputError(f"--continuations {folder}: the judge's labels need the target's greedy text; this "
-                                f"folder's continuations are {mode!r}")
-    try:
-        stored = continuation_sequences(folder, prompt_ids)
-    except ValueError as err:
-        raise DistillInputError(str(err)) from None
-    first, end = _span(args.chunks, "--chunks")
-    chunks = [c for c in stored.chunks if c >= first and (end is None or c < end)]
-    if not chunks:
-        raise DistillInputError(f"--chunks {args.chunks}: no finished chunk of {folder} in that range")
-    sequences = [pair for c in chunks for pair in zip(*stored.chunk(c))]
+    stored, chunks, sequences = _stored_sequences(args, folder, load_tokenizer(args.target), mode="greedy")
     model = load_model(args.target, dtype=args.dtype)
     rows_opts = JudgeRowsOptions(args.positions, args.alternatives, args.far, args.resync, args.max_tokens, args.seed)
     key = {"format": 1, "what": "judge", "target": str(args.target), "fingerprint": stored.fingerprint,

@@ -34,6 +34,11 @@ class JudgeHeadConfig:
     hidden_size: int  # the target's hidden width H
     threshold: float = 0.0  # a node is accepted when its judge logit is above this
 
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or t != t:
+            raise ValueError(f"the judge's threshold must be a number, got {t!r}")
+
 
 class JudgeHead(nn.Module):
     """A linear judge over the target's hidden state of a drafted node and its logit gap (module docstring)."""
@@ -55,8 +60,6 @@ class JudgeHead(nn.Module):
 
     def with_threshold(self, threshold: float) -> "JudgeHead":
         """The same weights with another acceptance threshold."""
-        if threshold != threshold:
-            raise ValueError("the judge's threshold must be a number, got nan")
         head = JudgeHead(JudgeHeadConfig(self.cfg.hidden_size, float(threshold)))
         head.load_state_dict(self.state_dict())
         head.extra = dict(self.extra)
@@ -100,21 +103,16 @@ class JudgeHead(nn.Module):
         return out.index_fill(0, torch.zeros(1, dtype=torch.long, device=out.device), float("-inf"))
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
-        from .weights_file import write_weights
+        from .weights_file import save_module
 
-        write_weights(path, self.state_dict(), torch.zeros(0, dtype=torch.long), fmt=JUDGE_FORMAT, version=1,
-                      config=asdict(self.cfg), extra=extra, dtype=torch.float32)
+        save_module(self, path, fmt=JUDGE_FORMAT, config=asdict(self.cfg), extra=extra)
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "JudgeHead":
         """A judge from its file (one clear ``ValueError`` for a file that is not one)."""
-        from .weights_file import build_checked, read_weights
+        from .weights_file import load_module
 
-        config, state, _, extra = read_weights(path, fmt=JUDGE_FORMAT, what="judge head")
-        threshold = config.get("threshold", 0.0)
-        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold != threshold:
-            raise ValueError(f"{path}: judge head threshold {threshold!r} is not a number")
-        head = build_checked(path, "judge head", JudgeHeadConfig, config, state, cls)
-        head.load_state_dict(state)
-        head.extra = extra
-        return head.to(device).eval()
+        try:
+            return load_module(cls, JudgeHeadConfig, path, fmt=JUDGE_FORMAT, what="judge head", device=device)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}" if str(path) not in str(err) else str(err)) from None

@@ -100,21 +100,17 @@ class AcceptanceHead(nn.Module):
             return torch.sigmoid(self.logit(regime, feature[:, None, :].expand(-1, k, -1), numbers))
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
-        from .weights_file import write_weights
+        from .weights_file import save_module
 
-        write_weights(path, self.state_dict(), torch.zeros(0, dtype=torch.long), fmt=STOP_HEAD_FORMAT, version=1,
-                      config=asdict(self.cfg), extra=extra, dtype=torch.float32)
+        save_module(self, path, fmt=STOP_HEAD_FORMAT, config=asdict(self.cfg), extra=extra)
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "AcceptanceHead":
         """An acceptance head from its file (one clear ``ValueError`` for a file that is not one)."""
-        from .weights_file import build_checked, read_weights
+        from .weights_file import load_module
 
-        config, state, _, extra = read_weights(path, fmt=STOP_HEAD_FORMAT, what="acceptance head")
-        head = build_checked(path, "acceptance head", AcceptanceHeadConfig, config, state, cls)
-        head.load_state_dict(state)
-        head.extra = extra
-        return head.to(device).eval()
+        return load_module(cls, AcceptanceHeadConfig, path, fmt=STOP_HEAD_FORMAT, what="acceptance head",
+                           device=device)
 
 
 @dataclass(frozen=True)

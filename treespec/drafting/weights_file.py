@@ -96,3 +96,21 @@ def build_checked(path: str | Path, what: str, config_cls: type, config: dict, s
                          + ", ".join(f"{k} stored {got.get(k, 'nothing')}, config says "
                                      f"{expected.get(k, 'no such tensor')}" for k in bad))
     return build(cfg)
+
+
+def save_module(module: torch.nn.Module, path: str | Path, *, fmt: str, config: dict, extra: dict | None = None
+                ) -> None:
+    """A small trained module without a vocabulary subset (acceptance head, judge), float32, atomically."""
+    write_weights(path, module.state_dict(), torch.zeros(0, dtype=torch.long), fmt=fmt, version=1, config=config,
+                  extra=extra, dtype=torch.float32)
+
+
+def load_module(cls: type, config_cls: type, path: str | Path, *, fmt: str, what: str,
+                device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A module written by :func:`save_module`, checked against its config (:func:`build_checked`), with the file's
+    free-form metadata as ``extra``; one clear ``ValueError`` for a file that is not one."""
+    config, state, _, extra = read_weights(path, fmt=fmt, what=what)
+    module = build_checked(path, what, config_cls, config, state, cls)
+    module.load_state_dict(state)
+    module.extra = extra
+    return module.to(device).eval()
