@@ -246,7 +246,7 @@ def _reference_rows(model, ids, gen_start, opts, generator):
             order = torch.argsort(logits, descending=True).tolist()
             if order[0] != ids[j]:
                 continue
-            for b in substitutions(order[:101], V, opts, generator):
+            for b in substitutions(order[:max(opts.alternatives + 1, 101)], V, opts, generator):
                 seq = ids[:j] + [b] + ids[j + 1:j + k]
                 out = model(torch.tensor([seq]), output_hidden_states=True)
                 best = out.logits[0, j:j + k].argmax(-1).tolist()
@@ -308,6 +308,44 @@ def test_choose_threshold_and_auc_against_brute_force():
         if pos and neg:
             brute = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg) / (len(pos) * len(neg))
             assert auc(logits, label) == pytest.approx(brute)
+
+
+def test_substitutions_are_the_next_ranks_then_far_tokens():
+    order = list(range(100, 200))  # the target's ranking: 100 first, then 101, 102, ...
+    gen = torch.Generator().manual_seed(0)
+    for far in (0, 1, 2, 5):
+        opts = JudgeRowsOptions(alternatives=3, far=far)
+        for _ in range(50):
+            got = substitutions(order, 1000, opts, gen)
+            assert got[:3] == [101, 102, 103] and 100 not in got and len(set(got)) == len(got)
+            if far == 0:
+                assert got == [101, 102, 103]
+            else:
+                assert got[3] in order[4:]  # one far down the ranking
+                assert len(got) <= 3 + far and all(0 <= t < 1000 for t in got)
+    # a ranking with nothing below the next ranks: no token from it
+    assert substitutions([7, 8, 9], 10, JudgeRowsOptions(alternatives=2, far=1), gen) == [8, 9]
+
+
+def test_threshold_read_back_from_the_file(tmp_path):
+    """A threshold written as an int, a large number or infinity loads as it was; nan is refused by name."""
+    import json as _json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    head = _judge(8)
+    head.save(tmp_path / "j.safetensors")
+    with safe_open(str(tmp_path / "j.safetensors"), framework="pt") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    for value, want in ((3, 3.0), (5000, 5000.0), (math.inf, math.inf)):
+        save_file(tensors, str(tmp_path / "t.safetensors"),
+                  metadata={**meta, "config": _json.dumps({"hidden_size": 8, "threshold": value})})
+        assert JudgeHead.load(tmp_path / "t.safetensors").threshold == want
+    save_file(tensors, str(tmp_path / "t.safetensors"),
+              metadata={**meta, "config": _json.dumps({"hidden_size": 8, "threshold": math.nan})})
+    with pytest.raises(ValueError, match="threshold must be a number"):
+        JudgeHead.load(tmp_path / "t.safetensors")
 
 
 def test_split_keeps_sequences_whole():

@@ -190,15 +190,21 @@ def _add_export(sub) -> None:
                    help="with --format speculators: leave out the embedding table (engines that share the target's)")
 
 
-def _stored_rows_arguments(p: argparse.ArgumentParser, folder: str, out: str) -> None:
-    """The options of a head trained on rows collected from stored continuations (``acceptance``, ``judge``)."""
+def _stored_rows_arguments(p: argparse.ArgumentParser, folder: str, out: str, after_chunks=None,
+                           after_held_out=None) -> None:
+    """The options of a head trained on rows collected from stored continuations (``acceptance``, ``judge``);
+    ``after_chunks`` / ``after_held_out``: a command's own options, added at those places of its help."""
     _common_arguments(p)
     p.add_argument("--continuations", required=True, help=f"{folder} (build_continuations)")
     p.add_argument("--rows", default=None, help="its prompt rows START:END (default: as its manifest records)")
     p.add_argument("--prompts", default=DEFAULT_TRAIN, help="the train prompts jsonl the continuations came from")
     p.add_argument("--chunks", default=None, help="the chunks to read, FIRST:END (default: every finished one)")
+    if after_chunks is not None:
+        after_chunks(p)
     p.add_argument("--out", required=True, help=f"{out} .safetensors to write (atomically)")
     p.add_argument("--held-out", type=float, default=0.1, help="share of sequences kept out of training, scored")
+    if after_held_out is not None:
+        after_held_out(p)
     p.add_argument("--json", default=None, help="write the scores and settings here too")
     p.add_argument("--rows-cache", default=None,
                    help="keep the collected rows in this file and reuse them when the same settings ask again")
@@ -206,11 +212,13 @@ def _stored_rows_arguments(p: argparse.ArgumentParser, folder: str, out: str) ->
 
 def _add_acceptance(sub) -> None:
     a = sub.add_parser("acceptance", help="train SpecDec++'s acceptance head for a draft head on stored continuations")
-    _stored_rows_arguments(a, "a continuation folder", "acceptance head")
-    a.add_argument("--head", default=None,
-                   help="the draft head .safetensors, EAGLE or EAGLE-3 (default: the shipped head)")
-    a.add_argument("--validation", type=float, default=0.1,
-                   help="share of the training sequences that choose the epoch (0: the last epoch)")
+    _stored_rows_arguments(
+        a, "a continuation folder", "acceptance head",
+        after_chunks=lambda p: p.add_argument(
+            "--head", default=None, help="the draft head .safetensors, EAGLE or EAGLE-3 (default: the shipped head)"),
+        after_held_out=lambda p: p.add_argument(
+            "--validation", type=float, default=0.1,
+            help="share of the training sequences that choose the epoch (0: the last epoch)"))
     from .acceptance import AcceptanceRowsOptions, AcceptanceTrainOptions
 
     _config_arguments(a, AcceptanceRowsOptions())
@@ -611,18 +619,19 @@ def _span(text: str | None, flag: str) -> tuple[int, int | None]:
         raise DistillInputError(f"{flag} {text!r}: expected START:END") from None
 
 
-def _stored_sequences(args, folder: Path, tokenizer, mode: str | None = None):
+def _stored_sequences(args, folder: Path, tokenizer, mode: str | None = None, why: str = ""):
     """``(stored, chunks, sequences)`` of ``--continuations``, ``--rows``, ``--prompts`` and ``--chunks``: the
     folder's continuations, the finished chunks asked for and their ``(ids, gen_start)`` pairs; with ``mode`` the
-    folder must hold continuations of that mode. Refusals are :class:`DistillInputError` lines."""
+    folder must hold continuations of that mode (``why``: the reason, in the refusal). Refusals are
+    :class:`DistillInputError` lines."""
     from .continuations import continuation_sequences, load_continuation_manifest
 
     prompt_ids = _continuation_prompts(folder, args.rows, args.prompts, tokenizer)  # no manifest: refused
     options = load_continuation_manifest(folder).get("options")
     found = options.get("mode") if isinstance(options, dict) else None
     if mode is not None and found != mode:
-        raise DistillInputError(f"--continuations {folder}: the judge's labels need the target's {mode} text; this "
-                                f"folder's continuations are {found!r}")
+        raise DistillInputError(f"--continuations {folder}: {why} need the target's {mode} text; this folder's "
+                                f"continuations are {found!r}")
     try:
         stored = continuation_sequences(folder, prompt_ids)
     except ValueError as err:
@@ -686,22 +695,24 @@ def _judge(args) -> None:
         train_judge
 
     folder = Path(args.continuations)
-    stored, chunks, sequences = _stored_sequences(args, folder, load_tokenizer(args.target), mode="greedy")
+    stored, chunks, sequences = _stored_sequences(args, folder, load_tokenizer(args.target), mode="greedy",
+                                                  why="the judge's labels")
     model = load_model(args.target, dtype=args.dtype)
     rows_opts = JudgeRowsOptions(args.positions, args.alternatives, args.far, args.resync, args.max_tokens, args.seed)
     key = {"format": 1, "what": "judge", "target": str(args.target), "fingerprint": stored.fingerprint,
            "chunks": chunks, "row_options": rows_opts.__dict__, "dtype": str(model.dtype)}
     all_rows = load_rows(args.rows_cache, key, JudgeRows) if args.rows_cache else None
+    runner = choose_runner(model, "auto")
     if all_rows is None:
-        all_rows = collect_rows(choose_runner(model, "auto"), sequences, rows_opts, progress=not args.no_progress)
+        all_rows = collect_rows(runner, sequences, rows_opts, progress=not args.no_progress)
         if args.rows_cache:
             save_rows(all_rows, args.rows_cache, key)
     train_rows, held = split_sequences(all_rows, args.held_out, args.seed)
     train_opts = JudgeTrainOptions(args.epochs, args.batch, args.lr, args.weight_decay, args.validation,
                                    args.precision, args.seed)
     judge = train_judge(train_rows, model.config.get_text_config().hidden_size, train_opts)
-    record = {"lossy": True, "target": str(args.target), "target_vocab_size": int(model.config.get_text_config(
-              ).vocab_size), "continuations": str(folder), "chunks": chunks, "sequences": len(sequences),
+    record = {"lossy": True, "target": str(args.target), "target_vocab_size": runner.vocab_size,  # its logits' width
+              "continuations": str(folder), "chunks": chunks, "sequences": len(sequences),
               "rows": train_rows.size, "held_out_rows": held.size, "row_options": rows_opts.__dict__,
               "train_options": train_opts.__dict__, "best_epoch": judge.epoch,
               # None: no threshold reached the precision on the validation sequences (the judge accepts nothing)

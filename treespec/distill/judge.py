@@ -7,10 +7,11 @@ prompts (stored by :mod:`.continuations`):
 
 **A substitution is acceptable when the target does not notice it.** At a position ``j`` of a continuation where
 the text's token ``y_j`` is the target's greedy choice, each of the target's next-ranked tokens ``b`` (ranks 2 to
-``alternatives + 1``), and ``far`` tokens far down its ranking (one from ranks up to 100, the rest from the whole
-vocabulary: what an n-gram lookup may propose), is put in ``y_j``'s place; the label is 1 when the target's
-greedy choice after ``b`` is the text again for the next ``resync`` tokens (``argmax p(. | y_<j, b) = y_{j+1}``,
-..., ``argmax p(. | y_<j, b, y_{j+1..j+resync-1}) = y_{j+resync}``), else 0. Two passes per sequence: a causal
+``alternatives + 1``), and ``far`` tokens far down its ranking (one from ranks up to 101, the rest from the whole
+vocabulary, so that the judge sees tokens the target ranks anywhere), is put in ``y_j``'s place; the label is 1
+when the target's greedy choice after ``b`` is the text again for the next ``resync`` tokens
+(``argmax p(. | y_<j, b) = y_{j+1}``, ..., ``argmax p(. | y_<j, b, y_{j+1..j+resync-1}) = y_{j+resync}``),
+else 0. Two passes per sequence: a causal
 pass over the text gives the target's ranking at the sampled positions, then one tree pass computes every label
 and feature: the text as a chain, and at each sampled position one branch per substitution, ``b`` followed by the
 text.
@@ -45,7 +46,7 @@ from ..tree import TokenTree
 class JudgeRowsOptions:
     positions: int = 16  # sampled positions per sequence
     alternatives: int = 3  # the target's ranks 2 .. alternatives + 1 at each position
-    far: int = 2  # substitutions far down the ranking: one from ranks <= 100, the rest from the whole vocabulary
+    far: int = 2  # substitutions far down the ranking: one from ranks <= 101, the rest from the whole vocabulary
     resync: int = 4  # tokens after the substitution that must be the text again for label 1
     max_tokens: int = 96  # generated tokens of a sequence read (bounds the tree pass)
     seed: int = 0
@@ -239,8 +240,9 @@ def train_judge(rows: JudgeRows, hidden_size: int, opts: JudgeTrainOptions = Jud
             if current < best:
                 best, best_epoch, best_state = current, epoch, copy.deepcopy(head.state_dict())
     head.load_state_dict(best_state)
-    with torch.no_grad():
-        threshold = choose_threshold(head.logit(val.hidden.float(), val.gap), val.label, opts.precision)
+    with torch.no_grad():  # the threshold is chosen on what the engine would accept: no gap below gap_min
+        logits = head.logit(val.hidden.float(), val.gap).masked_fill(val.gap < head.gap_min, float("-inf"))
+        threshold = choose_threshold(logits, val.label, opts.precision)
     out = head.with_threshold(threshold)
     out.epoch = best_epoch
     return out
@@ -249,6 +251,8 @@ def train_judge(rows: JudgeRows, hidden_size: int, opts: JudgeTrainOptions = Jud
 def auc(score: torch.Tensor, label: torch.Tensor) -> float:
     """Area under the ROC curve of ``score`` for ``label`` (ties count half), from ranks (Mann-Whitney U) in
     O(N log N); nan with one class only."""
+    if torch.isnan(score).any():
+        raise ValueError("auc: the scores hold nan")
     pos = label > 0.5
     n_pos, n_neg = int(pos.sum()), int((~pos).sum())
     if not n_pos or not n_neg:
@@ -257,7 +261,8 @@ def auc(score: torch.Tensor, label: torch.Tensor) -> float:
     _, inverse, counts = torch.unique_consecutive(score[order], return_inverse=True, return_counts=True)
     counts = counts.double()
     mean_rank = torch.cumsum(counts, 0) - (counts - 1) / 2  # 1-based mean rank of each group of ties
-    ranks = torch.empty(score.numel(), dtype=torch.float64).index_copy_(0, order, mean_rank[inverse])
+    ranks = torch.empty(score.numel(), dtype=torch.float64, device=score.device).index_copy_(0, order,
+                                                                                          mean_rank[inverse])
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 

@@ -75,6 +75,8 @@ def build_checked(path: str | Path, what: str, config_cls: type, config: dict, s
     # (target_vocab_size is no tensor dimension: it is checked against the target when attached)
     largest = max((max(v.shape, default=1) for v in state.values()), default=0)
     for name, value in config.items():
+        if name in fields and isinstance(fields[name].default, float):  # a number, not a size (a judge's threshold)
+            continue
         if name != "target_vocab_size" and isinstance(value, int) and not isinstance(value, bool) and value > largest:
             raise ValueError(f"{path}: {what} tensors do not match its config: {name}={value} exceeds every "
                              f"stored tensor dimension (largest {largest})")
