@@ -238,13 +238,18 @@ def score(head: AcceptanceHead, rows: AcceptanceRows) -> dict[str, dict[str, flo
     return result
 
 
+def sequences_aside(sequence: torch.Tensor, share: float, seed: int) -> torch.Tensor:
+    """The sequence ids ``[k]`` set aside from the rows' ``sequence`` ids: a seeded share ``share`` of the distinct
+    ones, at least one, and at least one kept (where there are two); none for ``share`` 0."""
+    seqs = torch.unique(sequence)
+    perm = seqs[torch.randperm(seqs.numel(), generator=torch.Generator().manual_seed(seed))]
+    count = min(max(1, round(share * seqs.numel())), max(seqs.numel() - 1, 0)) if share > 0 else 0
+    return perm[:count]
+
+
 def split_rows(rows: AcceptanceRows, held_out: float, seed: int) -> tuple[AcceptanceRows, AcceptanceRows]:
     """(training, held-out) rows, whole sequences to one side (a share ``held_out`` of the sequences)."""
-    seqs = torch.unique(torch.cat([rows.sequence[r] for r in REGIMES]))
-    perm = seqs[torch.randperm(seqs.numel(), generator=torch.Generator().manual_seed(seed))]
-    # at least one sequence out, and at least one kept in (where there are two)
-    count = min(max(1, round(held_out * seqs.numel())), max(seqs.numel() - 1, 0)) if held_out > 0 else 0
-    out_seqs = perm[:count]
+    out_seqs = sequences_aside(torch.cat([rows.sequence[r] for r in REGIMES]), held_out, seed)
     parts = []
     for keep_out in (False, True):
         masks = {r: torch.isin(rows.sequence[r], out_seqs) == keep_out for r in REGIMES}

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafting.judge import JudgeHead, JudgeHeadConfig
+from .acceptance import sequences_aside
 from ..tree import TokenTree
 
 
@@ -182,10 +183,7 @@ class JudgeTrainOptions:
 def split_sequences(rows: JudgeRows, share: float, seed: int) -> tuple[JudgeRows, JudgeRows]:
     """(kept, set aside): whole sequences to one side, a share ``share`` of them set aside (at least one, and at
     least one kept)."""
-    seqs = torch.unique(rows.sequence)
-    perm = seqs[torch.randperm(seqs.numel(), generator=torch.Generator().manual_seed(seed))]
-    count = min(max(1, round(share * seqs.numel())), max(seqs.numel() - 1, 0)) if share > 0 else 0
-    out = torch.isin(rows.sequence, perm[:count])
+    out = torch.isin(rows.sequence, sequences_aside(rows.sequence, share, seed))
     return rows.take(~out), rows.take(out)
 
 

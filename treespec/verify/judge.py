@@ -61,9 +61,9 @@ def verify_judge(tree: TokenTree, target_scores: torch.Tensor, judge_logits: tor
     cur = _walk(tree, next_node)
     base = _result(tree, cur, at(best, cur), at(tree.num_children, cur) == 0, torch.ones((), dtype=torch.bool))
     # a node on the path is judged when its token is not its parent's greedy token
-    own = (tree.tokens != best.index_select(0, tree.parents.clamp(min=0))).tolist()
+    not_greedy = (tree.tokens != best.index_select(0, tree.parents.clamp(min=0))).tolist()  # [n]
     return JudgedResult(base.accepted_nodes, base.accepted_tokens, base.next_token, base.is_bonus,
-                        [i for i in base.accepted_nodes if own[i]])
+                        [i for i in base.accepted_nodes if not_greedy[i]])
 
 
 def verify_judge_reference(tree: TokenTree, target_scores: torch.Tensor, judge_logits: torch.Tensor,
