@@ -372,3 +372,19 @@ def bootstrap_ci(values: list[float], *, stat=median, n_boot: int = 2000, level:
 
 def write_json(path: Path, data) -> None:
     atomic_write_json(path, data, default=str)
+
+
+def block_top_p(settings: dict, temperature: float) -> float:
+    """The nucleus filter of a run's block at ``temperature`` (1.0 = off): per block since the protocol's T=0.7 /
+    top-p 0.95 block (``top_p_by_temperature``), one ``--top-p`` for every sampled block in older runs."""
+    if temperature <= 0:
+        return 1.0
+    if "top_p_by_temperature" in settings:
+        return dict((t, p) for t, p in settings["top_p_by_temperature"]).get(temperature, 1.0)
+    return settings.get("top_p", 1.0)
+
+
+def block_heading(key: str, settings: dict) -> str:
+    """A block's key (``dtype/T=t``) with its nucleus filter where it has one."""
+    top_p = block_top_p(settings, float(key.split("/T=")[1]))
+    return key if top_p >= 1.0 else f"{key}, top-p {top_p:g}"

@@ -209,9 +209,15 @@ class ForwardCounter:
         self.calls += 1
 
 
-def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistant=None, top_p: float = 1.0,
-              **extra) -> Method:
-    """A transformers ``generate`` row (``extra``: its keyword arguments; ``top_p``: the nucleus filter at T > 0)."""
+def no_top_p(temperature: float) -> float:
+    """The nucleus filter of a block without one: off (1.0) at every temperature."""
+    return 1.0
+
+
+def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistant=None,
+              top_p_at: Callable[[float], float] = no_top_p, **extra) -> Method:
+    """A transformers ``generate`` row (``extra``: its keyword arguments; ``top_p_at(T)``: the nucleus filter of the
+    block at temperature T > 0)."""
 
     def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
         ids = prompt["ids"]
@@ -222,7 +228,7 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
         gen_cfg.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else 0
         kwargs = dict(max_new_tokens=n, generation_config=gen_cfg, do_sample=temperature > 0, **extra)
         if temperature > 0:
-            kwargs.update(temperature=temperature, top_k=0, top_p=top_p)
+            kwargs.update(temperature=temperature, top_k=0, top_p=top_p_at(temperature))
         if assistant is not None:
             kwargs["assistant_model"] = assistant
         x = torch.tensor([ids])  # [1, prompt_len]
@@ -237,14 +243,14 @@ def hf_method(name: str, model, counter: ForwardCounter, describe: str, assistan
 
 
 def ts_method(name: str, model, make_drafter, describe: str, reset=None, engine: str = "treespec",
-              leaf_logits: bool = True, top_p: float = 1.0, judge=None) -> Method:
+              leaf_logits: bool = True, top_p_at: Callable[[float], float] = no_top_p, judge=None) -> Method:
     """A treespec row. ``model``: the target module or the runner around it (``--runner``); ``leaf_logits``, ``judge``:
-    as :class:`~treespec.generate.GenerationConfig`'s; ``top_p``: the nucleus filter at T > 0."""
+    as :class:`~treespec.generate.GenerationConfig`'s; ``top_p_at(T)``: the nucleus filter of the block at T > 0."""
     from treespec.generate import GenerationConfig, generate
     from treespec.sampling import SamplingConfig
 
     def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
-        sampling = SamplingConfig(temperature, top_p=top_p if temperature > 0 else 1.0)
+        sampling = SamplingConfig(temperature, top_p=top_p_at(temperature) if temperature > 0 else 1.0)
         cfg = GenerationConfig(max_new_tokens=n, sampling=sampling, seed=seed, stop_on_eos=False,
                                leaf_logits=leaf_logits, judge=judge)
         res = generate(model, prompt["ids"], make_drafter(temperature), cfg)
@@ -390,14 +396,19 @@ CUSTOM_DRAFTERS: dict[str, CustomDrafter] = {
 @dataclass(frozen=True)
 class RunOptions:
     """The command-line settings the rows read: ``--runner``, ``--assistant``, ``--lookup-tokens``, ``--threads``,
-    ``--top-p``, and the llama.cpp context size."""
+    the nucleus filter of each sampled block (``top_p``: ``(temperature, top-p)`` pairs, from ``--temperatures`` and
+    ``--top-p``), and the llama.cpp context size."""
 
     runner: str = "auto"
     assistant: str = "early-exit:16"
     lookup_tokens: int = 10
     threads: int = 2
-    top_p: float = 1.0
+    top_p: tuple[tuple[float, float], ...] = ()
     n_ctx: int = 4096
+
+    def top_p_at(self, temperature: float) -> float:
+        """The nucleus filter of the block at ``temperature`` (1.0 = off; always off at T=0)."""
+        return dict(self.top_p).get(temperature, 1.0) if temperature > 0 else 1.0
 
 
 def progress(line: str) -> None:
@@ -501,7 +512,7 @@ def _treespec_method(row: Row, targets: Targets) -> Method:
                            row.law, row.quantize, row.max_reject)
     text = describe(row, opts.runner, type(model).__name__ if row.target == "ts" else "", opts.lookup_tokens)
     judge = targets.judge() if row.judge else None
-    return ts_method(row.name, model, make, text, reset, row.engine, row.leaf_logits, opts.top_p, judge)
+    return ts_method(row.name, model, make, text, reset, row.engine, row.leaf_logits, opts.top_p_at, judge)
 
 
 def _hf_method(row: Row, targets: Targets) -> Method:
@@ -512,7 +523,7 @@ def _hf_method(row: Row, targets: Targets) -> Method:
     if row.draft == "assistant":
         extra["assistant"] = targets.assistant()
     return hf_method(row.name, targets.model, targets.counter(), describe(row, lookup_tokens=opts.lookup_tokens),
-                     top_p=opts.top_p, **extra)
+                     top_p_at=opts.top_p_at, **extra)
 
 
 def _llama_method(row: Row, targets: Targets) -> Method:
@@ -541,7 +552,7 @@ def _llama_method(row: Row, targets: Targets) -> Method:
         t0 = time.perf_counter()
         # exactly n tokens (generate() does not stop at EOS); llama.cpp's samplers neutralised:
         # temperature and --top-p only (0 = greedy), no top-k / min-p / repetition penalty
-        for t in llm.generate(toks, temp=temperature, top_k=0, top_p=opts.top_p, min_p=0.0, typical_p=1.0,
+        for t in llm.generate(toks, temp=temperature, top_k=0, top_p=opts.top_p_at(temperature), min_p=0.0, typical_p=1.0,
                               repeat_penalty=1.0, reset=True):
             out.append(int(t))
             if len(out) >= n:

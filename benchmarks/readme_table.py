@@ -15,6 +15,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import block_heading  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 SPEED = REPO / "benchmarks" / "results" / "speed"
 BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
@@ -79,7 +82,7 @@ def render(run: Path) -> str:
             if row is None:
                 continue
             tau = row.get("tau")
-            lines.append(f"| {block.replace('/', ', ')} | {label} | {row['tokens_per_s']['median']:.1f} | "
+            lines.append(f"| {block_heading(block, settings).replace('/', ', ')} | {label} | {row['tokens_per_s']['median']:.1f} | "
                          f"{_cell(row.get('speedup_vs_ts_plain'))} | {_cell(row.get('speedup_vs_llama_plain'))} | "
                          f"{'-' if tau is None else f'{tau:.2f}'} |")
     lines += ["", END]

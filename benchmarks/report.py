@@ -14,7 +14,7 @@ from statistics import mean
 import torch
 from scipy.stats import binomtest
 
-from benchmarks.common import bootstrap_ci, host_name, median, write_json
+from benchmarks.common import block_heading, block_top_p, bootstrap_ci, host_name, median, write_json
 from benchmarks.methods import BASELINE_LABEL, BASELINES, EXTRA_METHODS, PROTOCOL_METHODS
 
 
@@ -118,9 +118,10 @@ def _fmt(s: dict | None) -> str:
 
 
 def top_p_note(settings: dict) -> str:
-    """The protocol line's words for ``--top-p`` (nothing when off)."""
-    top_p = settings.get("top_p", 1.0)
-    return "" if top_p >= 1.0 else f", top-p {top_p:g} in every sampled round (T > 0)"
+    """The protocol line's words for the nucleus filter of the sampled blocks (nothing when off in all)."""
+    filtered = [f"top-p {block_top_p(settings, t):g} at T={t:g}" for t in settings.get("temperatures", ())
+                if block_top_p(settings, t) < 1.0]
+    return f", {', '.join(filtered)} (every method alike)" if filtered else ""
 
 
 def cli_default_method(dtype: str, temperature: float) -> str:
@@ -178,7 +179,7 @@ def markdown(summary: dict, meta: dict) -> str:
                      "this figure tells two records' hosts apart")
     lines.append("")
     for key, block in summary.items():
-        lines += [f"## {key}", "",
+        lines += [f"## {block_heading(key, st)}", "",
                   "| method | engine | tokens/s (median) | speedup vs treespec plain | speedup vs HF generate | "
                   "speedup vs llama.cpp plain | tau | greedy = own plain |",
                   "|---|---|---|---|---|---|---|---|"]

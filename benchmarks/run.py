@@ -83,6 +83,24 @@ from treespec.models.fast.quant import QUANTIZE_MODES  # noqa: E402
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog."
 
 
+#: the protocol's sampling blocks, (temperature, top-p or None): greedy, T=0.7 with top-p 0.95 as chat users sample
+#: (issue 43), and T=1
+PROTOCOL_BLOCKS = ((0.0, None), (0.7, 0.95), (1.0, None))
+
+
+def sampling_block(text: str) -> tuple[float, float | None]:
+    """``T`` or ``T:P`` -> (temperature, top-p or None): one ``--temperatures`` value."""
+    temp, colon, top_p = text.partition(":")
+    try:
+        return float(temp), (float(top_p) if colon else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a temperature T or T:P (P the top-p), got {text!r}") from None
+
+
+def block_text(block: tuple[float, float | None]) -> str:
+    return f"{block[0]:g}" + ("" if block[1] is None else f":{block[1]:g}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -94,10 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="eval: Spec-Bench + HumanEval (measurement); train: ../shared/data/train prompts per "
                          "category, for tuning (written under results/tuning/)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--temperatures", type=sampling_block, nargs="+", default=list(PROTOCOL_BLOCKS), metavar="T[:P]",
+                    help="the sampling blocks: a temperature, or T:P for temperature T with the nucleus filter P "
+                         "(every method alike: treespec, HF and llama.cpp); default "
+                         f"{' '.join(block_text(b) for b in PROTOCOL_BLOCKS)}: greedy, as chat users sample, and T=1")
     ap.add_argument("--top-p", type=float, default=1.0,
-                    help="nucleus filter of every method's rounds at T > 0 (treespec, HF and llama.cpp alike; "
-                         "default 1.0 = off), e.g. --temperatures 0.7 --top-p 0.95 as chat users sample")
+                    help="nucleus filter of the sampled blocks given as a bare temperature (default 1.0 = off), "
+                         "e.g. --temperatures 0.7 --top-p 0.95")
     ap.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU computes it natively (avx512_bf16 / amx_bf16), and float32")
     ap.add_argument("--repeats", type=int, default=2, help="rounds per prompt (even: A..B B..A)")
@@ -130,10 +151,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_variants(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a malformed ``--variant`` or ``--top-p`` (exit 2, one line)."""
+def split_blocks(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check ``--temperatures`` / ``--top-p`` (exit 2, one line) and split them into ``args.temperatures`` (floats)
+    and ``args.top_p_by_temperature`` (``(T, top-p)`` of each sampled block)."""
     if not 0.0 < args.top_p <= 1.0:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    blocks = [b if isinstance(b, tuple) else (float(b), None) for b in args.temperatures]
+    temps = [t for t, _ in blocks]
+    if len(set(temps)) < len(temps):
+        ap.error(f"--temperatures: each temperature once (one block each), got {' '.join(map(block_text, blocks))}")
+    for t, p in blocks:
+        if t < 0 or t != t:
+            ap.error(f"--temperatures: a temperature is >= 0, got {t:g}")
+        if p is not None and not 0.0 < p <= 1.0:
+            ap.error(f"--temperatures {block_text((t, p))}: top-p must be in (0, 1]")
+        if t == 0 and p is not None and p < 1.0:
+            ap.error(f"--temperatures {block_text((t, p))}: top-p filters sampled blocks only (T > 0)")
+    args.temperatures = temps
+    args.top_p_by_temperature = [[t, args.top_p if p is None else p] for t, p in blocks if t > 0]
+
+
+def check_variants(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a malformed ``--variant`` (exit 2, one line)."""
     for v in args.variant or []:
         if len(v) not in (5, 6):
             ap.error(f"--variant takes NAME DRAFT TREE CONF LAW [QUANTIZE] (5 or 6 values); got {len(v)}: {' '.join(v)}")
@@ -244,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ProvenanceError(f"--resume {folder}: the run recorded no arguments (made before --resume existed)")
         args = ap.parse_args(resumed["run_argv"])  # the recorded settings, unchanged
         args.out, args.resume = folder, folder
+    split_blocks(ap, args)
     check_variants(ap, args)
     if args.list_methods:
         list_methods()
@@ -263,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = load_tokenizer("embedded")
     prompts, warm = prompt_set(rows, tok)
-    options = RunOptions(args.runner, args.assistant, args.lookup_tokens, args.threads, args.top_p,
+    options = RunOptions(args.runner, args.assistant, args.lookup_tokens, args.threads,
+                         tuple((t, p) for t, p in args.top_p_by_temperature),
                          n_ctx=max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64)
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "dtypes": dtypes,
                 "prompts": len(prompts), "prompt_ids": [p["id"] for p in prompts], "warmup_tokens": 8,

@@ -92,3 +92,69 @@ def test_the_protocol_runs_the_cli_default_of_every_block(monkeypatch):
     args.methods = ["ts_ngram"]
     wanted, _ = run.wanted_methods(ap, args, ["bfloat16"])
     assert wanted == {"ts_ngram", "ts_plain", "hf_plain"}
+
+
+def _blocks(argv: list[str]):
+    from benchmarks import run
+
+    ap = run.build_parser()
+    args = ap.parse_args(argv)
+    run.split_blocks(ap, args)
+    return args.temperatures, args.top_p_by_temperature
+
+
+def test_the_protocol_has_a_block_as_chat_users_sample():
+    """Issue 43: the protocol's blocks are T=0, T=0.7 with top-p 0.95 and T=1 (no filter); T:P gives a block its own
+    top-p, a bare temperature takes --top-p."""
+    assert _blocks([]) == ([0.0, 0.7, 1.0], [[0.7, 0.95], [1.0, 1.0]])
+    assert _blocks(["--temperatures", "0", "0.7", "--top-p", "0.9"]) == ([0.0, 0.7], [[0.7, 0.9]])
+    assert _blocks(["--temperatures", "0.7:0.8", "1", "--top-p", "0.9"]) == ([0.7, 1.0], [[0.7, 0.8], [1.0, 0.9]])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--temperatures", "0:0.9"], "top-p filters sampled blocks only"),
+    (["--temperatures", "1", "1:0.9"], "each temperature once"),
+    (["--temperatures", "1:x"], "expected a temperature T or T:P"),
+    (["--temperatures", "0.7:1.5"], "top-p must be in (0, 1]"),
+    (["--temperatures", "-1"], "a temperature is >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+])
+def test_a_malformed_block_is_refused_in_one_line(capsys, argv, words):
+    from benchmarks import run
+
+    with pytest.raises(SystemExit) as exc:
+        run.main(argv + ["--list-methods"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and words in err.strip().splitlines()[-1] and " error: " in err.strip().splitlines()[-1]
+
+
+def test_each_block_samples_with_its_own_top_p():
+    """The rows read the top-p of the block they run in (RunOptions.top_p_at): a tiny model sampled at T=1 under a
+    top-p that keeps only its most likely token gives its greedy text, in the HF row and the treespec row alike,
+    while the block without a filter samples other tokens (seed 0, 24 tokens; the model's top probability is
+    below 0.9 at some step, so the unfiltered run differs from greedy with near certainty). A row that ignored the
+    block's top-p (the broken twin: no_top_p) samples freely and fails the first assertion."""
+    from benchmarks.methods import ForwardCounter, RunOptions, hf_method, no_top_p, ts_method
+    from treespec.models.tiny import tiny_model
+
+    model = tiny_model("llama", 64, seed=0, logit_scale=2.0)
+    model.generation_config.pad_token_id = 0
+    prompt = {"ids": [3, 17, 5, 9]}
+    opts = RunOptions(top_p=((1.0, 1e-6), (0.5, 1.0)))
+    assert (opts.top_p_at(0.0), opts.top_p_at(1.0), opts.top_p_at(0.5), opts.top_p_at(0.7)) == (1.0, 1e-6, 1.0, 1.0)
+    rows = {"hf": lambda top_p_at: hf_method("hf", model, ForwardCounter(model), "t", top_p_at=top_p_at),
+            "ts": lambda top_p_at: ts_method("ts", model, lambda t: None, "t", top_p_at=top_p_at)}
+    for make in rows.values():
+        greedy = make(opts.top_p_at)(prompt, 24, 0.0, 0)["tokens"]
+        assert make(opts.top_p_at)(prompt, 24, 1.0, 0)["tokens"] == greedy
+        assert make(no_top_p)(prompt, 24, 1.0, 0)["tokens"] != greedy
+
+
+def test_a_block_heading_names_its_top_p():
+    from benchmarks.common import block_heading, block_top_p
+
+    settings = {"temperatures": [0.0, 0.7, 1.0], "top_p_by_temperature": [[0.7, 0.95], [1.0, 1.0]]}
+    assert [block_heading(f"bfloat16/T={t:g}", settings) for t in (0, 0.7, 1)] == \
+        ["bfloat16/T=0", "bfloat16/T=0.7, top-p 0.95", "bfloat16/T=1"]
+    old_run = {"temperatures": [0.0, 0.7], "top_p": 0.95}  # one --top-p for every sampled block
+    assert (block_top_p(old_run, 0.0), block_top_p(old_run, 0.7)) == (1.0, 0.95)
