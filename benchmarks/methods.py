@@ -552,8 +552,8 @@ def _llama_method(row: Row, targets: Targets) -> Method:
         t0 = time.perf_counter()
         # exactly n tokens (generate() does not stop at EOS); llama.cpp's samplers neutralised:
         # temperature and --top-p only (0 = greedy), no top-k / min-p / repetition penalty
-        for t in llm.generate(toks, temp=temperature, top_k=0, top_p=opts.top_p_at(temperature), min_p=0.0, typical_p=1.0,
-                              repeat_penalty=1.0, reset=True):
+        for t in llm.generate(toks, temp=temperature, top_k=0, top_p=opts.top_p_at(temperature), min_p=0.0,
+                              typical_p=1.0, repeat_penalty=1.0, reset=True):
             out.append(int(t))
             if len(out) >= n:
                 break

@@ -82,7 +82,8 @@ def render(run: Path) -> str:
             if row is None:
                 continue
             tau = row.get("tau")
-            lines.append(f"| {block_heading(block, settings).replace('/', ', ')} | {label} | {row['tokens_per_s']['median']:.1f} | "
+            heading = block_heading(block, settings).replace("/", ", ")
+            lines.append(f"| {heading} | {label} | {row['tokens_per_s']['median']:.1f} | "
                          f"{_cell(row.get('speedup_vs_ts_plain'))} | {_cell(row.get('speedup_vs_llama_plain'))} | "
                          f"{'-' if tau is None else f'{tau:.2f}'} |")
     lines += ["", END]
