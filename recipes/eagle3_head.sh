@@ -17,7 +17,8 @@
 # STAGE=corpus|train|export|all (default all), MINUTES per stage (default 30), THREADS for training (default 2),
 # PIN (shards per corpus, default 8,8), STEPS (default 1500), RUN (default eagle3-head), LR (default 0.001),
 # WARMUP (default 100), OUT (default .cache/eagle3-head.safetensors), SPEC_OUT (default .cache/eagle3-speculators),
-# VERIFIER (default google/gemma-3-270m).
+# VERIFIER (default google/gemma-3-270m), INIT (a head file a NEW run starts from: a continuation in a later session,
+# whose cache may be gone), SEED (default 0; give a continued run another, so that it reads the data in another order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-30}"
@@ -35,6 +36,8 @@ WARMUP="${WARMUP:-100}"
 OUT="${OUT:-.cache/eagle3-head.safetensors}"
 SPEC_OUT="${SPEC_OUT:-.cache/eagle3-speculators}"
 VERIFIER="${VERIFIER:-google/gemma-3-270m}"
+INIT="${INIT:-}"
+SEED="${SEED:-0}"
 corpora=()
 pids=()
 for spec in v2-greedy:0:6000 v4-sample:6000:11000; do
@@ -52,7 +55,8 @@ if [ "$STAGE" = train ] || [ "$STAGE" = all ]; then
     IFS=,; corpus_list="${corpora[*]}"; unset IFS
     "$PY" -m treespec.distill train --corpus "$corpus_list" --run "$RUN" --layout eagle3 \
         --feature-layers "$LAYERS" --depths 3 --steps "$STEPS" --lr "$LR" --warmup "$WARMUP" --w-feat 0 \
-        --max-shards "$PIN" --threads "$THREADS" --time-limit "$MINUTES" --no-progress
+        --max-shards "$PIN" --threads "$THREADS" --time-limit "$MINUTES" --seed "$SEED" ${INIT:+--init-head "$INIT"} \
+        --no-progress
 fi
 if [ "$STAGE" = export ] || [ "$STAGE" = all ]; then
     "$PY" -m treespec.distill export --run "$RUN" --out "$OUT" --dtype float16
