@@ -385,6 +385,8 @@ def block_top_p(settings: dict, temperature: float) -> float:
 
 
 def block_heading(key: str, settings: dict) -> str:
-    """A block's key (``dtype/T=t``) with its nucleus filter where it has one."""
-    top_p = block_top_p(settings, float(key.split("/T=")[1]))
+    """A block's key (``dtype/T=t``, ``t`` written with ``:g``) with its nucleus filter where it has one."""
+    written = key.split("/T=")[1]
+    temps = [t for t in settings.get("temperatures", ()) if f"{t:g}" == written] or [float(written)]
+    top_p = block_top_p(settings, temps[0])
     return key if top_p >= 1.0 else f"{key}, top-p {top_p:g}"

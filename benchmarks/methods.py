@@ -512,7 +512,8 @@ def _treespec_method(row: Row, targets: Targets) -> Method:
                            row.law, row.quantize, row.max_reject)
     text = describe(row, opts.runner, type(model).__name__ if row.target == "ts" else "", opts.lookup_tokens)
     judge = targets.judge() if row.judge else None
-    return ts_method(row.name, model, make, text, reset, row.engine, row.leaf_logits, opts.top_p_at, judge)
+    return ts_method(row.name, model, make, text, reset, row.engine, row.leaf_logits, top_p_at=opts.top_p_at,
+                     judge=judge)
 
 
 def _hf_method(row: Row, targets: Targets) -> Method:
@@ -551,7 +552,7 @@ def _llama_method(row: Row, targets: Targets) -> Method:
         out: list[int] = []
         t0 = time.perf_counter()
         # exactly n tokens (generate() does not stop at EOS); llama.cpp's samplers neutralised:
-        # temperature and --top-p only (0 = greedy), no top-k / min-p / repetition penalty
+        # temperature and the block's top-p only (0 = greedy), no top-k / min-p / repetition penalty
         for t in llm.generate(toks, temp=temperature, top_k=0, top_p=opts.top_p_at(temperature), min_p=0.0,
                               typical_p=1.0, repeat_penalty=1.0, reset=True):
             out.append(int(t))

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bootstrap_ci, write_json  # noqa: E402
+from benchmarks.common import block_heading, bootstrap_ci, write_json  # noqa: E402
 from benchmarks.report import sign_test  # noqa: E402
 
 
@@ -39,14 +39,16 @@ def paired_rows(per_prompt: list[dict], pairs: list[tuple[str, str]]) -> list[di
     return rows
 
 
-def render(rows: list[dict], source: str) -> str:
+def render(rows: list[dict], source: str, settings: dict | None = None) -> str:
+    """paired.md; ``settings`` (the run's) name each block's top-p."""
     lines = [f"# Paired comparisons ({source})", "",
              "Per prompt, B's tokens/s over A's (> 1: B faster), median [95% bootstrap interval]; B faster / slower "
              "on how many prompts, and the two-sided sign-test p-value.", "",
              "| dtype / T | A | B | prompts | B over A | faster / slower | sign-test p |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["ci95"]
-        lines.append(f"| {r['dtype']}/T={r['temperature']:g} | {r['a']} | {r['b']} | {r['prompts']} | "
+        block = block_heading(f"{r['dtype']}/T={r['temperature']:g}", settings or {})
+        lines.append(f"| {block} | {r['a']} | {r['b']} | {r['prompts']} | "
                      f"{r['median']:.3f}x [{lo:.3f}, {hi:.3f}] | {r['wins']} / {r['losses']} | {r['p_sign']:.3g} |")
     return "\n".join(lines) + "\n"
 
@@ -62,12 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = args.folder / "summary.json"
     if not summary.is_file():
         ap.error(f"no summary.json in {args.folder}")
-    rows = paired_rows(json.loads(summary.read_text())["per_prompt"], pairs)
+    data = json.loads(summary.read_text())
+    rows = paired_rows(data["per_prompt"], pairs)
+    settings = data.get("meta", {}).get("settings")
     if not rows:
         ap.error("no pair ran on common prompts in that folder")
     write_json(args.folder / "paired.json", {"pairs": args.pairs, "rows": rows})
-    (args.folder / "paired.md").write_text(render(rows, args.folder.name))
-    print(render(rows, args.folder.name))
+    text = render(rows, args.folder.name, settings)
+    (args.folder / "paired.md").write_text(text)
+    print(text)
     return 0
 
 

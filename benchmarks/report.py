@@ -223,9 +223,10 @@ def markdown(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, out: Path) -> None:
+def plot(summary: dict, out: Path, settings: dict | None = None) -> None:
     """speedup.png: per (dtype, T) one panel; per subtask (and all prompts) the median speedup of every
-    method over its own engine's plain decoding, with the bootstrap 95% interval as error bars."""
+    method over its own engine's plain decoding, with the bootstrap 95% interval as error bars; ``settings``
+    (the run's) name each block's top-p in its title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,7 +250,8 @@ def plot(summary: dict, out: Path) -> None:
         ax.set_xticks(range(len(subs)))
         ax.set_xticklabels(subs)
         ax.set_ylabel("speedup (median, 95% CI)")
-        ax.set_title(f"{key}: speedup over the same engine's plain decoding, per subtask")
+        ax.set_title(f"{block_heading(key, settings or {})}: speedup over the same engine's plain decoding, "
+                     "per subtask")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=110)
@@ -305,4 +307,4 @@ def write_report(out: Path, runs: list[dict], meta: dict, seed: int, total_round
     write_json(out / "summary.json", {"meta": meta, "summary": summary, "per_prompt": prompt_rows})
     (out / "table.md").write_text(markdown(summary, meta))
     if summary:
-        plot(summary, out)
+        plot(summary, out, meta.get("settings"))

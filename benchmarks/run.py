@@ -4,7 +4,8 @@ One protocol, one command::
 
     python benchmarks/run.py --quick     # a few minutes: 1 prompt of 3 subtasks, 32 tokens, T=0, one dtype
     python benchmarks/run.py             # 10 prompts x 6 Spec-Bench subtasks + 10 HumanEval, 128 tokens,
-                                         # T=0 and T=1, bf16 (where the CPU computes it natively) and fp32
+                                         # T=0, T=0.7 with top-p 0.95 and T=1, bf16 (where the CPU computes it
+                                         # natively) and fp32
 
 The prompts are read from the ``shared/`` folder beside the repository checkout (``../shared/data/eval``;
 ``--prompt-set train``: ``../shared/data/train``), or ``$TREESPEC_SHARED``.
@@ -208,6 +209,7 @@ def apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.per_subtask, args.subtasks, args.humaneval = 1, ["qa", "summarization"], 1
         args.max_new_tokens, args.temperatures, args.repeats = 32, [0.0], 1
+        args.top_p_by_temperature = []  # T=0 only: no sampled block
 
 
 def wanted_methods(ap: argparse.ArgumentParser, args: argparse.Namespace, dtypes: list[str]) -> tuple[set, list]:
@@ -267,6 +269,12 @@ def prompt_set(rows: list[dict], tok) -> tuple[list[dict], dict]:
     return prompts, warm
 
 
+def run_options(args: argparse.Namespace, n_ctx: int = 4096) -> RunOptions:
+    """The settings every row reads, from the checked arguments (:func:`split_blocks` first)."""
+    return RunOptions(args.runner, args.assistant, args.lookup_tokens, args.threads,
+                      tuple((t, p) for t, p in args.top_p_by_temperature), n_ctx=n_ctx)
+
+
 def list_methods() -> None:
     print("protocol:", *PROTOCOL_METHODS, "\nextras:", *EXTRA_METHODS)
     for row in ROWS:  # described with the default --assistant / --lookup-tokens / --runner
@@ -303,9 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = load_tokenizer("embedded")
     prompts, warm = prompt_set(rows, tok)
-    options = RunOptions(args.runner, args.assistant, args.lookup_tokens, args.threads,
-                         tuple((t, p) for t, p in args.top_p_by_temperature),
-                         n_ctx=max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64)
+    options = run_options(args, n_ctx=max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64)
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "dtypes": dtypes,
                 "prompts": len(prompts), "prompt_ids": [p["id"] for p in prompts], "warmup_tokens": 8,
                 "methods_run": sorted(wanted)}

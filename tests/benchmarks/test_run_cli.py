@@ -158,3 +158,47 @@ def test_a_block_heading_names_its_top_p():
         ["bfloat16/T=0", "bfloat16/T=0.7, top-p 0.95", "bfloat16/T=1"]
     old_run = {"temperatures": [0.0, 0.7], "top_p": 0.95}  # one --top-p for every sampled block
     assert (block_top_p(old_run, 0.0), block_top_p(old_run, 0.7)) == (1.0, 0.95)
+    odd = {"temperatures": [2 / 3], "top_p_by_temperature": [[2 / 3, 0.9]]}  # the key rounds it to 0.666667
+    assert block_heading(f"bfloat16/T={2 / 3:g}", odd) == "bfloat16/T=0.666667, top-p 0.9"
+
+
+def test_the_rows_a_run_builds_read_the_blocks_of_its_command_line(monkeypatch):
+    """The wiring from run.py's arguments to the rows: the protocol's default blocks reach the treespec and HF rows
+    that build_methods makes (T=0.7: top-p 0.95; T=1: none; T=0: none), through run_options. A run_options that
+    dropped the blocks (the broken twin) gives 1.0 at T=0.7 and fails."""
+    from benchmarks import methods, run
+    from treespec.models.tiny import tiny_model
+
+    ap = run.build_parser()
+    args = ap.parse_args([])
+    run.split_blocks(ap, args)
+    seen = {}
+    monkeypatch.setattr(methods, "ts_method", lambda name, *a, top_p_at, **k: seen.setdefault(name, top_p_at))
+    monkeypatch.setattr(methods, "hf_method", lambda name, *a, top_p_at, **k: seen.setdefault(name, top_p_at))
+    model = tiny_model("llama", 64, seed=0)
+    targets = methods.Targets(model, None, "float32", run.run_options(args))
+    methods.build_methods([methods.ROW["ts_plain"], methods.ROW["hf_plain"]], targets)
+    assert set(seen) == {"ts_plain", "hf_plain"}
+    for top_p_at in seen.values():
+        assert (top_p_at(0.0), top_p_at(0.7), top_p_at(1.0)) == (1.0, 0.95, 1.0)
+    args.top_p_by_temperature = []  # the twin: blocks lost on the way
+    assert run.run_options(args).top_p_at(0.7) == 1.0
+
+
+def test_quick_keeps_no_sampled_block():
+    from benchmarks import run
+
+    ap = run.build_parser()
+    args = ap.parse_args(["--quick"])
+    run.split_blocks(ap, args)
+    run.apply_quick(args)
+    assert (args.temperatures, args.top_p_by_temperature) == ([0.0], [])
+
+
+def test_paired_rows_name_their_blocks_top_p():
+    from benchmarks.paired import render
+
+    rows = [{"dtype": "bfloat16", "temperature": t, "a": "x", "b": "y", "prompts": 3, "median": 1.0, "ci95": [1, 1],
+             "wins": 1, "losses": 1, "p_sign": 1.0} for t in (0.7, 1.0)]
+    text = render(rows, "run", {"temperatures": [0.7, 1.0], "top_p_by_temperature": [[0.7, 0.95], [1.0, 1.0]]})
+    assert "| bfloat16/T=0.7, top-p 0.95 | x | y |" in text and "| bfloat16/T=1 | x | y |" in text
