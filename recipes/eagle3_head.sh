@@ -19,6 +19,13 @@
 # WARMUP (default 100), OUT (default .cache/eagle3-head.safetensors), SPEC_OUT (default .cache/eagle3-speculators),
 # VERIFIER (default google/gemma-3-270m), INIT (a head file a NEW run starts from: a continuation in a later session,
 # whose cache may be gone), SEED (default 0; give a continued run another, so that it reads the data in another order).
+# Second segment (session of 2026-11-29, an AMD EPYC with avx512_bf16; the cache was gone): both corpora rebuilt for
+# 35 minutes (29 + 28 shards, 2.27M positions), then a new run of 2,000 steps (~2.4 s a step, bf16 autocast):
+#   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=corpus MINUTES=35 recipes/eagle3_head.sh
+#   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=train PIN=29,28 STEPS=2000 LR=0.001 WARMUP=100 THREADS=2 MINUTES=88 \
+#     RUN=eagle3-head-s31 recipes/eagle3_head.sh
+# Its head is committed: benchmarks/results/draft/2026-11-29-ee798ae-eagle3-head-2000/head.safetensors. Continue it with
+#   INIT=benchmarks/results/draft/2026-11-29-ee798ae-eagle3-head-2000/head.safetensors SEED=1 LR=0.0005 WARMUP=50 ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-30}"
