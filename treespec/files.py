@@ -125,3 +125,15 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def recorded_path(path: str | Path) -> str:
+    """``path`` as metadata written into a file records it: relative to the working directory when it lies below
+    it (a head file committed from a checkout then names no host's folders), else as given."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(p)

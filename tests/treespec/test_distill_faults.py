@@ -366,3 +366,37 @@ def test_continuations_survive_kill_9(target, tmp_path):
                 assert (out / name).read_bytes() == (ref / name).read_bytes(), (seed, name)
     print(f"continuations: {interrupted} of {TRIALS} runs killed, {partial} partial, {mid_write} mid-write")
     assert interrupted >= TRIALS // 2 and partial >= 3, (interrupted, partial)
+
+
+def test_head_files_record_paths_below_the_working_directory_relative(target, corpus, tmp_path, monkeypatch):
+    """A head trained and exported from a checkout, given absolute paths below it (``TREESPEC_CACHE=$PWD/...``),
+    records them relative to it: a committed head file names no host's folders. A checkpoint of an older run that
+    recorded absolute paths exports relative too; paths outside the working directory stay as given."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+
+    from treespec.files import recorded_path
+
+    work = tmp_path / "checkout"
+    shutil.copytree(corpus, work / "cache" / "corpus")
+    monkeypatch.chdir(work)
+    run = work / "cache" / "run"
+    with torch.enable_grad():
+        train(target, work / "cache" / "corpus", run, TrainConfig(**{**CFG.__dict__, "steps": 2}), progress=False,
+              log=lambda *_: None)
+    ckpt = sorted(run.glob("ckpt-*.pt"))[-1]
+    state = torch.load(ckpt, weights_only=False)
+    assert state["corpus"] == ["cache/corpus"]
+    state["corpus"] = [str(work / "cache" / "corpus")]  # as runs before this rule recorded it
+    torch.save(state, ckpt)
+    summary = export_checkpoint(run, work / "out" / "head.safetensors")
+    assert summary["checkpoint"] == f"cache/run/{ckpt.name}" and summary["corpus"] == ["cache/corpus"]
+    for path in (run / "head.safetensors", work / "out" / "head.safetensors"):
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata()
+        assert str(tmp_path) not in json.dumps(meta), path
+    assert json.loads(meta["extra"])["summary"]["corpus"] == ["cache/corpus"]
+    assert recorded_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")  # outside: as given
+    assert recorded_path("rel/x") == "rel/x"

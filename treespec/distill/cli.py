@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write_json
+from ..files import atomic_write_json, recorded_path
 from .corpus import DEFAULT_EVAL, DEFAULT_TRAIN
 from .inputs import DistillInputError, read_head_file
 
@@ -455,7 +455,7 @@ def _medusa(args) -> None:
     heads, summary = train_medusa(model, corpora, run_dir, cfg, corpus_weights=weights, vocab_ids=vocab,
                                   progress=not args.no_progress)
     if args.evaluate:
-        summary["evaluation"] = {"corpus": str(_corpus_dir(args.evaluate)),
+        summary["evaluation"] = {"corpus": recorded_path(_corpus_dir(args.evaluate)),
                                  **evaluate_medusa(heads, _corpus_dir(args.evaluate))}
     if args.export:
         heads.save(args.export, dtype=torch.float16, extra={"summary": summary})
@@ -676,8 +676,9 @@ def _acceptance(args) -> None:
     train_opts = AcceptanceTrainOptions(args.width, args.epochs, args.batch, args.lr, args.weight_decay,
                                         args.validation, args.seed)
     stop_head = train_acceptance_head(train_rows, head.cfg.hidden_size, train_opts)
-    record = {"head": str(head_path.name), "head_sha256": key["head_sha256"], "continuations": str(folder),
-              "chunks": chunks, "sequences": len(sequences), "rows": train_rows.sizes, "held_out_rows": held.sizes,
+    record = {"head": str(head_path.name), "head_sha256": key["head_sha256"],
+              "continuations": recorded_path(folder), "chunks": chunks, "sequences": len(sequences),
+              "rows": train_rows.sizes, "held_out_rows": held.sizes,
               "row_options": rows_opts.__dict__, "train_options": train_opts.__dict__, "best_epochs": stop_head.epochs,
               "held_out_scores": score(stop_head, held), "train_scores": score(stop_head, train_rows)}
     stop_head.save(args.out, extra=record)
@@ -712,7 +713,7 @@ def _judge(args) -> None:
                                    args.precision, args.seed)
     judge = train_judge(train_rows, model.config.get_text_config().hidden_size, train_opts)
     record = {"lossy": True, "target": str(args.target), "target_vocab_size": runner.vocab_size,  # its logits' width
-              "continuations": str(folder), "chunks": chunks, "sequences": len(sequences),
+              "continuations": recorded_path(folder), "chunks": chunks, "sequences": len(sequences),
               "rows": train_rows.size, "held_out_rows": held.size, "row_options": rows_opts.__dict__,
               "train_options": train_opts.__dict__, "best_epoch": judge.epoch,
               # None: no threshold reached the precision on the validation sequences (the judge accepts nothing)

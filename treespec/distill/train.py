@@ -28,7 +28,7 @@ import torch
 from ..drafting.eagle3 import Eagle3Head, new_eagle3_head
 from ..drafting.head import EagleHead, HeadConfig, LayerHead, new_head
 from ..drafting.weights_file import build_checked
-from ..files import atomic_write_json, remove_stale_temporaries
+from ..files import atomic_write_json, recorded_path, remove_stale_temporaries
 from ..models.features import normalise_feature_layers
 from .corpus import SHARD_TENSORS, load_manifest, read_shard
 from .inputs import (DistillInputError, contained_path, first_line, load_checkpoint, read_head_file, require_dir,
@@ -457,8 +457,8 @@ def _finish(head: EagleHead, run_dir: Path, cfg: TrainConfig, dirs: list, step: 
     summary = {"step": step, "positions_this_run": positions, "seconds_this_run": elapsed,
                "positions_per_s": positions / max(elapsed, 1e-9), "ema": ema, "precision": precision,
                "trained_parameters": head.num_trained_parameters, "vocab_subset": int(head.vocab_ids.numel())}
-    head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "corpus": [str(d) for d in dirs],
-                                                   "summary": summary})
+    head.save(run_dir / "head.safetensors", extra={"train_config": asdict(cfg), "summary": summary,
+                                                   "corpus": [recorded_path(d) for d in dirs]})
     atomic_write_json(run_dir / "summary.json", summary)
     return summary
 
@@ -527,7 +527,7 @@ def train(target, corpus_dir: str | Path | list, run_dir: str | Path, cfg: Train
     def extra() -> dict:
         return {"vocab_ids": head.vocab_ids.cpu(), "head_config": asdict(head.cfg), "train_config": asdict(cfg),
                 "head_layout": "eagle3" if isinstance(head, Eagle3Head) else "eagle",
-                "corpus": [str(d) for d in dirs]}
+                "corpus": [recorded_path(d) for d in dirs]}
 
     step = run_loop(loop, head, opt, step_fn, run_dir=run_dir, name=CKPT_NAME, keys=("head", "optimizer"),
                     state=state, extra=extra, on_step=on_step, state_path=ckpt_path)
@@ -545,8 +545,10 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype =
     state = load_checkpoint(ckpt)
     head = _head_from_checkpoint(state, ckpt)
     train_config = require_type(state, "train_config", dict, f"checkpoint {ckpt}")
-    summary = {"checkpoint": str(ckpt), "step": state["step"], "train_config": train_config,
-               "corpus": state.get("corpus"), "trained_parameters": head.num_trained_parameters,
+    corpus = state.get("corpus")  # older checkpoints may record absolute paths
+    corpus = [recorded_path(d) for d in corpus] if isinstance(corpus, list) else corpus
+    summary = {"checkpoint": recorded_path(ckpt), "step": state["step"], "train_config": train_config,
+               "corpus": corpus, "trained_parameters": head.num_trained_parameters,
                "vocab_subset": int(head.vocab_ids.numel())}
     head.save(out, dtype=dtype, extra={"summary": summary})
     return {"out": str(out), "bytes": Path(out).stat().st_size, **summary}
@@ -576,4 +578,4 @@ def export_speculators(run_dir: str | Path, out: str | Path, load_target, *, dty
                                                                        "max_position_embeddings", 32768)))
     except (ValueError, FileExistsError) as err:
         raise DistillInputError(str(err)) from None
-    return {**written, "checkpoint": str(ckpt), "step": state["step"]}
+    return {**written, "checkpoint": recorded_path(ckpt), "step": state["step"]}
