@@ -139,8 +139,10 @@ def cli_default_method(dtype: str, temperature: float) -> str:
 
 
 def cli_default_rows() -> str:
-    """Which rows are the CLI's ``--draft auto`` per dtype and temperature, read from the CLI itself."""
-    return "; ".join(f"{dtype}: " + ", ".join(f"{cli_default_method(dtype, t)} at T={t:g}" for t in (0.0, 1.0))
+    """Which rows are the CLI's ``--draft auto`` per dtype and temperature, read from the CLI itself (its table is
+    keyed by T = 0 and T > 0; T=1 stands for the latter)."""
+    return "; ".join(f"{dtype}: " + ", ".join(f"{cli_default_method(dtype, t)} at {when}"
+                                              for t, when in ((0.0, "T=0"), (1.0, "T>0")))
                      for dtype in ("bfloat16", "float32"))
 
 
