@@ -28,7 +28,7 @@ from treespec.models.loading import load_draft_model, load_model  # noqa: E402
 from treespec.calibration import measure_profile  # noqa: E402
 
 
-CORPUS = Path(__file__).resolve().parent.parent / "corpora" / "head-v2" / "continuations" / "v2-greedy" / "chunk-00000.json"
+CORPUS = Path(__file__).resolve().parent.parent / "corpora" / "head-v2" / "continuations" / "v2-greedy"
 
 
 @torch.no_grad()
@@ -36,11 +36,10 @@ def quantised_agreement(target, quantize: str, rows: int = 6, tokens: int = 200)
     """How close the quantised target is to the unquantised one: top-1 agreement and mean KL(p || p_q)
     of the next-token distributions, teacher-forced on the first ``tokens`` ids of ``rows`` of the
     target's own greedy continuations of train prompts (the committed head-v2 corpus; never eval data)."""
-    import json
-
+    from treespec.distill.continuations import chunk_path, read_chunk_rows
     from treespec.models.fast import make_runner
 
-    seqs = [r["continuation"][:tokens] for r in json.loads(CORPUS.read_text())["rows"][:rows]]
+    seqs = [r["continuation"][:tokens] for r in read_chunk_rows(CORPUS, 0, 10**9)[:rows]]
     full, quant = make_runner(target, fast=True), make_runner(target, quantize=quantize)
     agree = kl = n = 0
     for seq in seqs:
@@ -51,7 +50,7 @@ def quantised_agreement(target, quantize: str, rows: int = 6, tokens: int = 200)
         agree += int((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
         kl += float((logp[0].exp() * (logp[0] - logp[1])).sum())
         n += len(seq)
-    return {"positions": n, "top1_agreement": agree / n, "mean_kl_nats": kl / n, "source": str(CORPUS.name)}
+    return {"positions": n, "top1_agreement": agree / n, "mean_kl_nats": kl / n, "source": chunk_path(CORPUS, 0).name}
 
 
 #: rows of the product that measures the machine's arithmetic rate (enough to be compute-bound)

@@ -71,12 +71,12 @@ def test_chunked_build_resumes_to_the_same_files(tmp_path, monkeypatch):
         build_continuations(model, prompts, part, opts, eos=EOS, progress=False)
     monkeypatch.setattr(cont, "continue_batch", real)
     assert json.loads((part / "manifest.json").read_text())["chunks_done"] == [0]
-    (part / ".chunk-00001.json.tmp999999999").write_text("half")  # a killed writer's leftover
+    (part / ".chunk-00001.json.gz.tmp999999999").write_text("half")  # a killed writer's leftover
     done = build_continuations(model, prompts, part, opts, eos=EOS, progress=False)
     assert done["complete"]
     for c in range(3):
-        name = f"chunk-{c:05d}.json"
-        assert (part / name).read_text() == (tmp_path / "whole" / name).read_text()
+        name = f"chunk-{c:05d}.json.gz"  # byte-identical: gzip without a time stamp
+        assert (part / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
     assert not [p for p in part.iterdir() if ".tmp" in p.name]
     rows = read_continuations(part)
     assert [r["index"] for r in rows] == list(range(10))
@@ -157,3 +157,31 @@ def test_recipe_rows_refuse_the_held_out_part(tmp_path, capsys):
     assert main(["--name", "x", "--rows", "10000:12000", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "held out" in err and "--held-out-rows" in err and not (tmp_path / "x").exists()
+
+
+def test_chunks_are_stored_compressed_and_older_uncompressed_chunks_still_read(tmp_path, monkeypatch):
+    """Chunks are gzip-compressed JSON, the same rows read back; a folder of older ``chunk-NNNNN.json`` files
+    reads alike; a damaged or oversized compressed chunk is refused in one line naming the file."""
+    import gzip
+
+    from treespec.distill import inputs
+    from treespec.distill.continuations import chunk_path, read_chunk_rows, write_chunk
+    from treespec.distill.inputs import DistillInputError
+
+    rows = [{"index": 0, "prompt_tokens": 3, "continuation": [5, 6, 7] * 50}, {"index": 1, "prompt_tokens": 2,
+                                                                               "continuation": []}]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "chunk-00000.json").write_text(json.dumps({"chunk": 0, "rows": rows}))
+    assert chunk_path(old, 0).name == "chunk-00000.json" and read_chunk_rows(old, 0, 2) == rows
+    path = write_chunk(old, 0, rows)  # rewriting replaces the uncompressed copy
+    assert path.name == "chunk-00000.json.gz" and not (old / "chunk-00000.json").exists()
+    assert chunk_path(old, 0) == path and read_chunk_rows(old, 0, 2) == rows
+    assert path.stat().st_size < len(json.dumps({"chunk": 0, "rows": rows}))
+    path.write_bytes(gzip.compress(b'{"chunk": 0, "rows": [')[:-8])  # cut short
+    with pytest.raises(DistillInputError, match="continuation chunk .*chunk-00000.json.gz: damaged"):
+        read_chunk_rows(old, 0, 2)
+    write_chunk(old, 0, rows)
+    monkeypatch.setattr(inputs, "MAX_GZIP_JSON_BYTES", 100)
+    with pytest.raises(DistillInputError, match="expands beyond"):
+        read_chunk_rows(old, 0, 2)

@@ -11,8 +11,8 @@ the logits, sampling = an exact draw from ``softmax(logits / T)`` in float32 wit
 ``torch.Generator``. Rows stop at their first EOS. Measured against Hugging Face ``generate`` by
 ``benchmarks/bench_continuations.py``.
 
-A chunk is one file ``chunk-NNNNN.json`` holding the prompt indices, the prompts' token counts and
-the generated ids; a manifest fingerprints the recipe (prompt file hash, options) so a resumed run
+A chunk is one gzip-compressed JSON file ``chunk-NNNNN.json.gz`` (folders written before it was compressed hold
+``chunk-NNNNN.json``, read alike) holding the prompt indices, the prompts' token counts and the generated ids; a manifest fingerprints the recipe (prompt file hash, options) so a resumed run
 cannot mix recipes. A chunk is written atomically; a killed run loses at most the chunk it was on.
 
 Stage 2, :func:`build_corpus_from_continuations`, teacher-forces the target on the stored
@@ -21,6 +21,7 @@ continuations into a corpus of :mod:`.corpus` (one shard per finished chunk).
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write_json, remove_stale_temporaries
+from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
 from ..sampling import draw, first_argmax
 from .corpus import (DEFAULT_TRAIN, HELD_OUT_FROM, CorpusOptions, ShardBuffer, check_not_eval, open_corpus,
                      read_prompts)
@@ -192,7 +193,7 @@ def build_continuations(model, prompt_ids: list[list[int]], out_dir: str | Path,
             for j, cont in zip(idx, continue_batch(model, [prompts[j] for j in idx], opts, eos, gen)):
                 conts[j] = cont
         rows = [{"index": j, "prompt_tokens": len(prompts[j]), "continuation": conts[j]} for j in range(lo, hi)]
-        atomic_write_json(out / f"chunk-{c:05d}.json", {"chunk": c, "rows": rows}, indent=None)
+        write_chunk(out, c, rows)
         dt = time.perf_counter() - t0
         manifest["chunks_done"] = sorted(manifest["chunks_done"] + [c])
         manifest["generated_tokens"] += sum(len(r["continuation"]) for r in rows)
@@ -284,10 +285,26 @@ def load_continuation_manifest(out_dir: str | Path) -> dict:
     return man
 
 
+def chunk_path(folder: Path, c: int) -> Path:
+    """Where chunk ``c`` of ``folder`` is: ``chunk-NNNNN.json.gz``, or the uncompressed ``.json`` of older folders."""
+    plain = Path(folder) / f"chunk-{c:05d}.json"
+    packed = plain.with_name(plain.name + ".gz")
+    return plain if plain.is_file() and not packed.is_file() else packed
+
+
+def write_chunk(folder: Path, c: int, rows: list[dict]) -> Path:
+    """Write chunk ``c`` atomically as gzip-compressed JSON (byte-identical for the same rows: no time stamp)."""
+    path = Path(folder) / f"chunk-{c:05d}.json.gz"
+    data = gzip.compress(json.dumps({"chunk": c, "rows": rows}).encode("utf-8"), compresslevel=9, mtime=0)
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    (Path(folder) / f"chunk-{c:05d}.json").unlink(missing_ok=True)  # an older, uncompressed copy
+    return path
+
+
 def read_chunk_rows(folder: Path, c: int, num_prompts: int) -> list[dict]:
     """The rows ``{"index", "prompt_tokens", "continuation"}`` of chunk ``c``, checked (indices below
     ``num_prompts``, counts and token ids non-negative integers)."""
-    path = folder / f"chunk-{c:05d}.json"
+    path = chunk_path(folder, c)
     rows = require_type(read_json_object(path, "continuation chunk"), "rows", list, f"continuation chunk {path}")
     for n, r in enumerate(rows):
         at = f"continuation chunk {path}, row {n}"

@@ -8,9 +8,11 @@ checkpoint from someone else cannot run code when it is loaded.
 
 from __future__ import annotations
 
+import gzip
 import json
 import numbers
 import pickle
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +52,25 @@ def first_line(err: BaseException, limit: int = 200) -> str:
     return type(err).__name__
 
 
+#: the most a gzip-compressed JSON file may expand to (a continuation chunk holds well under 1 MiB)
+MAX_GZIP_JSON_BYTES = 64 << 20
+
+
 def read_json_object(path: str | Path, what: str) -> dict:
-    """The JSON object stored in ``path`` (a manifest); missing, damaged or non-object files are a
+    """The JSON object stored in ``path`` (a manifest; ``.gz``: gzip-compressed, read up to
+    :data:`MAX_GZIP_JSON_BYTES` expanded); missing, damaged, oversized or non-object files are a
     :class:`DistillInputError` naming ``what``."""
     path = require_file(path, what)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as fh:
+                raw = fh.read(MAX_GZIP_JSON_BYTES + 1)
+            if len(raw) > MAX_GZIP_JSON_BYTES:
+                raise DistillInputError(f"{what} {path}: damaged (expands beyond {MAX_GZIP_JSON_BYTES >> 20} MiB)")
+            data = json.loads(raw.decode("utf-8"))
+        else:
+            data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, OSError, EOFError, zlib.error) as err:
         raise DistillInputError(f"{what} {path}: damaged ({first_line(err)})") from None
     if not isinstance(data, dict):
         raise DistillInputError(f"{what} {path}: damaged (expected a JSON object, found {type(data).__name__})")
