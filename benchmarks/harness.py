@@ -10,6 +10,7 @@ report is rewritten after every prompt, so a stopped run keeps what it measured 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -91,13 +92,33 @@ def _round_row(line: bytes) -> dict | None:
     return row if isinstance(row, dict) else None
 
 
+def pack_rounds(folder: Path) -> Path:
+    """Compress a finished run's ``rounds.jsonl`` into ``rounds.jsonl.gz`` (written atomically, then the plain file
+    removed): a finished run is never resumed, and its record stays whole in about a seventh of the bytes."""
+    from treespec.files import atomic_write
+
+    plain, packed = folder / "rounds.jsonl", folder / "rounds.jsonl.gz"
+    if plain.is_file():
+        data = gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0)
+        atomic_write(packed, lambda tmp: tmp.write_bytes(data))
+        plain.unlink()
+    return packed
+
+
 def read_rounds(path: Path) -> list[dict]:
-    """The rows of ``rounds.jsonl``, repairing a last line cut by a killed writer in place.
+    """The rows of ``rounds.jsonl`` (or, where only that is left, of the finished run's ``rounds.jsonl.gz``:
+    :func:`pack_rounds`), repairing a last line cut by a killed writer in place.
 
     The repair never rewrites a complete round: a cut last line is removed by truncating the file
     where that line begins (``os.truncate`` needs no free space and keeps every byte before), and a
     complete last round whose newline was cut gets its newline appended. A damaged line elsewhere is
     a :class:`ProvenanceError`."""
+    packed = path.with_name(path.name + ".gz")
+    if not path.is_file() and packed.is_file():
+        rows = [_round_row(line) for line in gzip.decompress(packed.read_bytes()).splitlines() if line]
+        if any(row is None for row in rows):
+            raise ProvenanceError(f"{packed}: a line is not JSON")
+        return rows
     if not path.is_file():
         return []
     pieces = path.read_bytes().split(b"\n")

@@ -60,7 +60,8 @@ from benchmarks.common import (  # noqa: E402
     open_results,
     write_json,
 )
-from benchmarks.harness import Plan, Session, check_resumable, interleave, measure_block, missing, read_rounds  # noqa: E402
+from benchmarks.harness import (Plan, Session, check_resumable, interleave, measure_block, missing,  # noqa: E402
+                                pack_rounds, read_rounds)
 from benchmarks.methods import (  # noqa: E402,F401  (cli_drafter: the drafters of the treespec rows)
     EXTRA_METHODS,
     LLAMA_METHODS,
@@ -334,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(out, session.runs, session.meta, args.seed, session.total_rounds)
     if session.meta["rounds"]["done"] == session.total_rounds:
         finish(out, started)
+        pack_rounds(out)
     else:
         print(f"PARTIAL: {session.meta['rounds']['done']} of {session.total_rounds} rounds measured; continue with "
               f"`python benchmarks/run.py --resume {out}`", flush=True)

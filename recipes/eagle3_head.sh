@@ -24,8 +24,11 @@
 #   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=corpus MINUTES=35 recipes/eagle3_head.sh
 #   TREESPEC_CACHE=$PWD/.cache/treespec STAGE=train PIN=29,28 STEPS=2000 LR=0.001 WARMUP=100 THREADS=2 MINUTES=88 \
 #     RUN=eagle3-head-s31 recipes/eagle3_head.sh
-# Its head is committed: benchmarks/results/draft/2026-11-29-ee798ae-eagle3-head-2000/head.safetensors. Continue it with
-#   INIT=benchmarks/results/draft/2026-11-29-ee798ae-eagle3-head-2000/head.safetensors SEED=1 LR=0.0005 WARMUP=50 ...
+# Its head file is kept in git history, out of the tree (the checkout must stay under 64 MiB):
+#   git show fdb0840:benchmarks/results/draft/2026-11-29-ee798ae-eagle3-head-2000/head.safetensors > .cache/e3-2000.safetensors
+# Third segment (session of 2026-11-29, third; the corpora of the second were still in the cache), continuing it:
+#   TREESPEC_CACHE=$PWD/.cache/treespec INIT=.cache/e3-2000.safetensors SEED=1 LR=0.0005 WARMUP=50 STAGE=train \
+#     PIN=29,28 STEPS=1500 THREADS=2 MINUTES=63 RUN=eagle3-head-s32 recipes/eagle3_head.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-30}"

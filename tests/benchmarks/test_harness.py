@@ -350,6 +350,27 @@ def test_a_cut_last_round_line_is_dropped(tmp_path):
         harness.read_rounds(path)
 
 
+def test_a_finished_runs_rounds_are_packed_and_read_back(tmp_path):
+    """pack_rounds compresses rounds.jsonl (the plain file goes) and read_rounds reads the same rows back from the
+    .gz; a packed file with a damaged line is refused, and a folder without rounds has none."""
+    import gzip
+
+    from benchmarks import harness
+
+    path = tmp_path / "rounds.jsonl"
+    rows = [{"method": "ts_plain", "seconds": 1.25, "i": i} for i in range(200)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    size = path.stat().st_size
+    packed = harness.pack_rounds(tmp_path)
+    assert not path.exists() and packed.name == "rounds.jsonl.gz" and packed.stat().st_size < size / 5
+    assert harness.read_rounds(path) == rows
+    assert harness.pack_rounds(tmp_path) == packed and harness.read_rounds(path) == rows  # again: nothing to do
+    packed.write_bytes(gzip.compress(b'{"a": 1}\nnot json\n'))
+    with pytest.raises(harness.ProvenanceError, match="not JSON"):
+        harness.read_rounds(path)
+    assert harness.read_rounds(tmp_path / "empty" / "rounds.jsonl") == []
+
+
 class _DiskFullFile:
     """A file opened for writing on a full disk: each write stores half of its data, then fails with ENOSPC."""
 

@@ -61,7 +61,10 @@ def test_run_quick(tmp_path, dtype):
                      *variant, "--allow-dirty", "--out", str(out)]) == 0
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["complete"]
-    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    from benchmarks.harness import read_rounds
+
+    assert not (out / "rounds.jsonl").exists()  # a finished run keeps its rounds compressed
+    rows = read_rounds(out / "rounds.jsonl")
     assert {r["method"] for r in rows} == {"ts_plain", "hf_plain", "ts_ngram"} | ({"q4"} if variant else set())
     if variant:
         assert ("treespec generate --draft head --tree 2,1 --min-confidence 0.2 --law without_replacement "
@@ -125,7 +128,7 @@ def test_run_stopped_part_way_resumes_to_every_round_once(tmp_path, monkeypatch)
         run.main(["--resume", str(out)])
     monkeypatch.setattr(harness, "machine_info", common.machine_info)
     assert run.main(["--resume", str(out)]) == 0
-    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    rows = harness.read_rounds(out / "rounds.jsonl")  # finished: rounds.jsonl.gz
     assert rows[:4] == first  # what was measured is kept as it was
     keys = [(r["prompt_id"], r["repeat"], r["method"]) for r in rows]
     assert len(keys) == len(set(keys)) == 6
