@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
@@ -99,10 +100,24 @@ def pack_rounds(folder: Path) -> Path:
 
     plain, packed = folder / "rounds.jsonl", folder / "rounds.jsonl.gz"
     if plain.is_file():
+        if packed.is_file() and _packed_rows(packed) != read_rounds(plain):  # both: a packer killed before unlinking
+            raise ProvenanceError(f"{folder}: rounds.jsonl and rounds.jsonl.gz hold different rounds; keep one")
         data = gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0)
         atomic_write(packed, lambda tmp: tmp.write_bytes(data))
         plain.unlink()
     return packed
+
+
+def _packed_rows(packed: Path) -> list[dict]:
+    """The rounds of a finished run's ``rounds.jsonl.gz``; a damaged file is a :class:`ProvenanceError`."""
+    try:
+        lines = gzip.decompress(packed.read_bytes()).splitlines()
+    except (OSError, EOFError, zlib.error) as err:
+        raise ProvenanceError(f"{packed}: damaged ({err})") from None
+    rows = [_round_row(line) for line in lines if line]
+    if any(row is None for row in rows):
+        raise ProvenanceError(f"{packed}: a line is not JSON")
+    return rows
 
 
 def read_rounds(path: Path) -> list[dict]:
@@ -115,10 +130,7 @@ def read_rounds(path: Path) -> list[dict]:
     a :class:`ProvenanceError`."""
     packed = path.with_name(path.name + ".gz")
     if not path.is_file() and packed.is_file():
-        rows = [_round_row(line) for line in gzip.decompress(packed.read_bytes()).splitlines() if line]
-        if any(row is None for row in rows):
-            raise ProvenanceError(f"{packed}: a line is not JSON")
-        return rows
+        return _packed_rows(packed)
     if not path.is_file():
         return []
     pieces = path.read_bytes().split(b"\n")

@@ -34,7 +34,8 @@ run in DIR with its recorded arguments, only on the same machine, library versio
 session in ``provenance.json``. Progress lines go to stderr; the table to stdout.
 
 Writes ``provenance.json`` (commit, dirty + diff, machine and CPU flags, versions, command),
-``rounds.jsonl`` (every measured run), ``summary.json``, ``table.md`` and ``speedup.png`` to
+``rounds.jsonl`` (every measured run; ``rounds.jsonl.gz`` once the run is finished), ``summary.json``, ``table.md``
+and ``speedup.png`` to
 ``benchmarks/results/speed/<date>-<commit>[-tag]/`` (or ``--out``).
 """
 

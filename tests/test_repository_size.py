@@ -1,4 +1,4 @@
-"""The checkout stays small enough to travel: the files git tracks add up to at most ``LIMIT_MIB``.
+"""The tracked files stay small enough to travel: the files git tracks add up to at most ``LIMIT_MIB``.
 
 The GPU check (``benchmarks/device_check.py``, issue 46) runs on a machine that receives the working tree and
 nothing else, up to 64 MiB with whatever the call carries; a checkout above that cannot be checked there at all.

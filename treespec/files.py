@@ -129,11 +129,17 @@ def file_sha256(path: str | Path) -> str:
 
 def recorded_path(path: str | Path) -> str:
     """``path`` as metadata written into a file records it: relative to the working directory when it lies below
-    it (a head file committed from a checkout then names no host's folders), else as given."""
+    it (a head file committed from a checkout then names no host's folders; ``./name`` one level down), else as
+    given."""
     p = Path(path)
     if not p.is_absolute():
         return str(p)
-    try:
-        return str(p.resolve().relative_to(Path.cwd().resolve()))
-    except (ValueError, OSError):
-        return str(p)
+    for mine, here in ((lambda: Path(os.path.abspath(p)), lambda: Path(os.path.abspath(os.getcwd()))),
+                       (p.resolve, lambda: Path.cwd().resolve())):  # as written first: a linked cache stays inside
+        try:
+            rel = mine().relative_to(here())
+        except (ValueError, OSError):
+            continue
+        # "./" keeps a one-part name a path (a bare name reads as a corpus inside the cache: distill's --corpus)
+        return str(rel) if len(rel.parts) > 1 else f"./{rel}"
+    return str(p)

@@ -365,8 +365,17 @@ def test_a_finished_runs_rounds_are_packed_and_read_back(tmp_path):
     assert not path.exists() and packed.name == "rounds.jsonl.gz" and packed.stat().st_size < size / 5
     assert harness.read_rounds(path) == rows
     assert harness.pack_rounds(tmp_path) == packed and harness.read_rounds(path) == rows  # again: nothing to do
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # both, the same rounds: a packer killed before
+    assert harness.pack_rounds(tmp_path) == packed and not path.exists()  # unlinking; packed again
+    path.write_text(json.dumps(rows[0]) + "\n")  # both files, other rounds: neither is overwritten
+    with pytest.raises(harness.ProvenanceError, match="hold different rounds"):
+        harness.pack_rounds(tmp_path)
+    path.unlink()
     packed.write_bytes(gzip.compress(b'{"a": 1}\nnot json\n'))
     with pytest.raises(harness.ProvenanceError, match="not JSON"):
+        harness.read_rounds(path)
+    packed.write_bytes(b"not gzip at all")
+    with pytest.raises(harness.ProvenanceError, match="damaged"):
         harness.read_rounds(path)
     assert harness.read_rounds(tmp_path / "empty" / "rounds.jsonl") == []
 

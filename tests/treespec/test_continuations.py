@@ -182,6 +182,8 @@ def test_chunks_are_stored_compressed_and_older_uncompressed_chunks_still_read(t
     with pytest.raises(DistillInputError, match="continuation chunk .*chunk-00000.json.gz: damaged"):
         read_chunk_rows(old, 0, 2)
     write_chunk(old, 0, rows)
+    (old / "chunk-00000.json").write_text(json.dumps({"chunk": 0, "rows": rows[:1]}))  # a writer killed before it
+    assert read_chunk_rows(old, 0, 2) == rows  # removed the older copy: the complete compressed one is read
     monkeypatch.setattr(inputs, "MAX_GZIP_JSON_BYTES", 100)
     with pytest.raises(DistillInputError, match="expands beyond"):
         read_chunk_rows(old, 0, 2)

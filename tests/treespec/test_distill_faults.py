@@ -399,4 +399,7 @@ def test_head_files_record_paths_below_the_working_directory_relative(target, co
         assert str(tmp_path) not in json.dumps(meta), path
     assert json.loads(meta["extra"])["summary"]["corpus"] == ["cache/corpus"]
     assert recorded_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")  # outside: as given
+    assert recorded_path(work / "corpus") == "./corpus"  # one level down: still a path, not a name in the cache
+    (work / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert recorded_path(work / "linked" / "x") == "linked/x"  # a linked cache inside the checkout names no host
     assert recorded_path("rel/x") == "rel/x"

@@ -712,7 +712,8 @@ def _judge(args) -> None:
     train_opts = JudgeTrainOptions(args.epochs, args.batch, args.lr, args.weight_decay, args.validation,
                                    args.precision, args.seed)
     judge = train_judge(train_rows, model.config.get_text_config().hidden_size, train_opts)
-    record = {"lossy": True, "target": str(args.target), "target_vocab_size": runner.vocab_size,  # its logits' width
+    target = recorded_path(args.target) if Path(args.target).exists() else str(args.target)  # a folder or a name
+    record = {"lossy": True, "target": target, "target_vocab_size": runner.vocab_size,  # its logits' width
               "continuations": recorded_path(folder), "chunks": chunks, "sequences": len(sequences),
               "rows": train_rows.size, "held_out_rows": held.size, "row_options": rows_opts.__dict__,
               "train_options": train_opts.__dict__, "best_epoch": judge.epoch,

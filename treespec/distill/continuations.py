@@ -11,9 +11,9 @@ the logits, sampling = an exact draw from ``softmax(logits / T)`` in float32 wit
 ``torch.Generator``. Rows stop at their first EOS. Measured against Hugging Face ``generate`` by
 ``benchmarks/bench_continuations.py``.
 
-A chunk is one gzip-compressed JSON file ``chunk-NNNNN.json.gz`` (folders written before it was compressed hold
-``chunk-NNNNN.json``, read alike) holding the prompt indices, the prompts' token counts and the generated ids; a manifest fingerprints the recipe (prompt file hash, options) so a resumed run
-cannot mix recipes. A chunk is written atomically; a killed run loses at most the chunk it was on.
+A chunk is one gzip-compressed JSON file ``chunk-NNNNN.json.gz`` (folders written before chunks were compressed
+hold ``chunk-NNNNN.json``, read alike) holding the prompt indices, the prompts' token counts and the generated ids;
+a manifest fingerprints the recipe (prompt file hash, options) so a resumed run cannot mix recipes. A chunk is written atomically; a killed run loses at most the chunk it was on.
 
 Stage 2, :func:`build_corpus_from_continuations`, teacher-forces the target on the stored
 continuations into a corpus of :mod:`.corpus` (one shard per finished chunk).
@@ -293,7 +293,8 @@ def chunk_path(folder: Path, c: int) -> Path:
 
 
 def write_chunk(folder: Path, c: int, rows: list[dict]) -> Path:
-    """Write chunk ``c`` atomically as gzip-compressed JSON (byte-identical for the same rows: no time stamp)."""
+    """Write chunk ``c`` atomically as gzip-compressed JSON (no time stamp: the same rows give the same bytes under
+    one Python version) and remove an older uncompressed copy."""
     path = Path(folder) / f"chunk-{c:05d}.json.gz"
     data = gzip.compress(json.dumps({"chunk": c, "rows": rows}).encode("utf-8"), compresslevel=9, mtime=0)
     atomic_write(path, lambda tmp: tmp.write_bytes(data))

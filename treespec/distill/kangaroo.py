@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..drafting.kangaroo import KangarooAdapter, final_norm_gain, new_adapter
-from ..files import atomic_write_json
+from ..files import atomic_write_json, recorded_path
 from .corpus import load_manifest, read_shard
 from .inputs import DistillInputError
 from .losses import subset_distill_losses
@@ -207,7 +207,7 @@ def train_adapter(target, corpora: list[str | Path], run_dir: str | Path, vocab_
                     state=ckpt, extra=extra, on_step=on_step, state_path=ckpt_path)
     adapter.eval()
     summary = {"steps": step, "of": cfg.steps, "seconds": round(seconds, 1), "positions": pool.num_positions,
-               "corpora": [str(c) for c in corpora], "trained_parameters": adapter.num_trained_parameters,
+               "corpora": [recorded_path(c) for c in corpora], "trained_parameters": adapter.num_trained_parameters,
                "config": asdict(cfg), "last": history[-1] if history else None}
     atomic_write_json(run_dir / "summary.json", summary)
     return adapter, summary

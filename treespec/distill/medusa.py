@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..drafting.medusa import MedusaHeads, new_medusa_heads
-from ..files import atomic_write_json
+from ..files import atomic_write_json, recorded_path
 from .corpus import read_shard
 from .inputs import DistillInputError
 from .loop import LoopConfig, check_subset_run, open_run, run_loop
@@ -168,7 +168,7 @@ def train_medusa(target, corpora: list[str | Path], run_dir: str | Path, cfg: Me
                     extra=extra, on_step=on_step, state_path=ckpt_path)
     heads.eval()
     summary = {"steps": step, "of": cfg.steps, "seconds": round(seconds, 1), "positions": pool.num_positions,
-               "corpora": [str(c) for c in corpora], "corpus_weights": corpus_weights,
+               "corpora": [recorded_path(c) for c in corpora], "corpus_weights": corpus_weights,
                "trained_parameters": heads.num_trained_parameters, "config": asdict(cfg),
                "last": history[-1] if history else None}
     atomic_write_json(run_dir / "summary.json", summary)

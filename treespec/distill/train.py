@@ -18,6 +18,7 @@ run directory (default ``~/.cache/treespec/distill/runs/<name>``), outside the r
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -546,7 +547,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, dtype: torch.dtype =
     head = _head_from_checkpoint(state, ckpt)
     train_config = require_type(state, "train_config", dict, f"checkpoint {ckpt}")
     corpus = state.get("corpus")  # older checkpoints may record absolute paths
-    corpus = [recorded_path(d) for d in corpus] if isinstance(corpus, list) else corpus
+    if isinstance(corpus, list):
+        corpus = [recorded_path(d) if isinstance(d, (str, os.PathLike)) else d for d in corpus]
     summary = {"checkpoint": recorded_path(ckpt), "step": state["step"], "train_config": train_config,
                "corpus": corpus, "trained_parameters": head.num_trained_parameters,
                "vocab_subset": int(head.vocab_ids.numel())}
