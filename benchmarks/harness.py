@@ -96,14 +96,13 @@ def _round_row(line: bytes) -> dict | None:
 def pack_rounds(folder: Path) -> Path:
     """Compress a finished run's ``rounds.jsonl`` into ``rounds.jsonl.gz`` (written atomically, then the plain file
     removed): a finished run is never resumed, and its record stays whole in about a seventh of the bytes."""
-    from treespec.files import atomic_write
+    from treespec.files import atomic_write_gzip
 
     plain, packed = folder / "rounds.jsonl", folder / "rounds.jsonl.gz"
     if plain.is_file():
         if packed.is_file() and _packed_rows(packed) != read_rounds(plain):  # both: a packer killed before unlinking
             raise ProvenanceError(f"{folder}: rounds.jsonl and rounds.jsonl.gz hold different rounds; keep one")
-        data = gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0)
-        atomic_write(packed, lambda tmp: tmp.write_bytes(data))
+        atomic_write_gzip(packed, plain.read_bytes())
         plain.unlink()
     return packed
 

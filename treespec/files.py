@@ -12,6 +12,7 @@ once that process is gone.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -74,6 +75,13 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Atomically write ``text`` (UTF-8) to ``path``."""
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_gzip(path: str | Path, data: bytes) -> None:
+    """Write ``data`` gzip-compressed (level 9, no time stamp: the same bytes give the same file under one Python
+    version), atomically like :func:`atomic_write`."""
+    packed = gzip.compress(data, compresslevel=9, mtime=0)
+    atomic_write(path, lambda tmp: tmp.write_bytes(packed))
 
 
 def atomic_write_json(path: str | Path, data: Any, *, indent: int | None = 1,

@@ -21,7 +21,6 @@ continuations into a corpus of :mod:`.corpus` (one shard per finished chunk).
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write, atomic_write_json, remove_stale_temporaries
+from ..files import atomic_write_gzip, atomic_write_json, remove_stale_temporaries
 from ..sampling import draw, first_argmax
 from .corpus import (DEFAULT_TRAIN, HELD_OUT_FROM, CorpusOptions, ShardBuffer, check_not_eval, open_corpus,
                      read_prompts)
@@ -296,8 +295,7 @@ def write_chunk(folder: Path, c: int, rows: list[dict]) -> Path:
     """Write chunk ``c`` atomically as gzip-compressed JSON (no time stamp: the same rows give the same bytes under
     one Python version) and remove an older uncompressed copy."""
     path = Path(folder) / f"chunk-{c:05d}.json.gz"
-    data = gzip.compress(json.dumps({"chunk": c, "rows": rows}).encode("utf-8"), compresslevel=9, mtime=0)
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    atomic_write_gzip(path, json.dumps({"chunk": c, "rows": rows}).encode("utf-8"))
     (Path(folder) / f"chunk-{c:05d}.json").unlink(missing_ok=True)  # an older, uncompressed copy
     return path
 
