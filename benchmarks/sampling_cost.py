@@ -6,7 +6,10 @@ without").
 Two measurements on the embedded Gemma-3-270M, on tuning prompts (../shared/data/train, never the eval set):
 
 1. **the filter alone**: :func:`treespec.sampling.logits_to_probs` on one row of real logits (262,144 entries) at
-   T = 0.7, without a filter, with top-p 0.95, with top-k 50, and both (median of 200 calls each);
+   T = 0.7, without a filter, with top-p 0.95, with top-k 50, and both (median of 200 calls each); beside it, in
+   the same run, the kernels inside: the nucleus mask (:func:`~treespec.sampling.top_p_mask` and the sorting
+   reference it is tested against) and the greedy verifier's argmax (:func:`~treespec.sampling.first_argmax`
+   and ``torch.max``, which it used alone before);
 2. **plain decoding**, paired per prompt: tokens per second after the prefill at T = 0.7 without a filter, with
    top-p 0.95, and at
    T = 1, the settings interleaved prompt by prompt and repeated ``--rounds`` times (each prompt's median), with
@@ -32,23 +35,34 @@ from benchmarks.common import (add_output_args, bootstrap_ci, finish, host_name,
 SETTINGS = (("T=0.7", 0.7, 0, 1.0), ("T=0.7 top-p 0.95", 0.7, 0, 0.95), ("T=1", 1.0, 0, 1.0))
 #: the filter settings timed alone
 FILTERS = (("none", 0, 1.0), ("top-p 0.95", 0, 0.95), ("top-k 50", 50, 1.0), ("top-k 50 + top-p 0.95", 50, 0.95))
+#: the kernels inside, timed on the same row (the nucleus on its T = 0.7 probabilities, the argmax on its logits)
+KERNELS = ("top-p 0.95 mask: top_p_mask", "top-p 0.95 mask: sorting reference", "argmax: first_argmax",
+           "argmax: torch.max")
 
 
 def filter_cost(model, tok, calls: int = 200) -> list[dict]:
     """Median seconds of ``logits_to_probs`` on one row of the model's real logits, per filter setting."""
     import torch
 
-    from treespec.sampling import SamplingConfig, logits_to_probs
+    from treespec.sampling import SamplingConfig, first_argmax, logits_to_probs, top_p_mask, top_p_mask_reference
 
     ids = torch.tensor([tok("The history of the printing press begins")["input_ids"]])
     row = model(ids).logits[0, -1:].float()  # [1, V]
+    probs = logits_to_probs(row, SamplingConfig(0.7))  # [1, V]
+    calls_of = {name: (lambda top_k=top_k, top_p=top_p: logits_to_probs(row, SamplingConfig(0.7, top_k=top_k,
+                                                                                             top_p=top_p)))
+                for name, top_k, top_p in FILTERS}
+    calls_of.update(zip(KERNELS, (lambda: top_p_mask(probs, 0.95), lambda: top_p_mask_reference(probs, 0.95),
+                                  lambda: first_argmax(row), lambda: torch.max(row, dim=-1).indices)))
+    if not torch.equal(top_p_mask(probs, 0.95), top_p_mask_reference(probs, 0.95)) or not torch.equal(
+            first_argmax(row), torch.max(row, dim=-1).indices):
+        raise AssertionError("a kernel disagrees with its reference on the timed row")
     out = []
-    for name, top_k, top_p in FILTERS:
-        config = SamplingConfig(0.7, top_k=top_k, top_p=top_p)
+    for name, call in calls_of.items():
         times = []
         for _ in range(calls + 5):
             t0 = time.perf_counter()
-            logits_to_probs(row, config)
+            call()
             times.append(time.perf_counter() - t0)
         out.append({"filter": name, "median_ms": 1e3 * statistics.median(times[5:])})
     return out
@@ -100,7 +114,7 @@ def render(filters: list[dict], summary: list[dict], prov: dict, args: argparse.
              f"- Command: `{prov['command']['shell']}`", f"- Machine: {host_name(prov['machine'])}",
              f"- Embedded Gemma-3-270M, {dtype}, {args.threads} threads; {summary[0]['prompts']} tuning prompts x "
              f"{args.new_tokens} tokens, {args.rounds} rounds (settings interleaved, each prompt's median).", "",
-             "| filter on one row (V = 262,144), T = 0.7 | median ms |", "|---|---|"]
+             "| filter (or kernel) on one row (V = 262,144), T = 0.7 | median ms |", "|---|---|"]
     lines += [f"| {f['filter']} | {f['median_ms']:.3f} |" for f in filters]
     lines += ["", f"| plain decoding | tok/s (median of prompts) | over {SETTINGS[0][0]}, per prompt: median [95% CI] "
               "| faster / slower | sign-test p |", "|---|---|---|---|---|"]

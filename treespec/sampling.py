@@ -11,6 +11,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -65,12 +66,17 @@ def first_argmax(scores: torch.Tensor, dim: int = -1, keepdim: bool = False) -> 
     ``torch.max(scores, dim)`` returns the first maximal index (documented, as for ``argmax``: ties go
     to the lowest token id) and on the CPU runs several times faster than ``argmax`` over a full
     vocabulary: the greedy verifier on a 16-node tree of Gemma-3-270M's 262,144 columns went from about
-    5.8 to 3.0 ms (benchmarks/results/profile/2026-11-26-xeon-amx-argmax-ab). Tested equal to ``argmax``
-    on ties, in float32 and bf16. A NaN counts as the maximum in both (the model runners reject NaN
-    logits before any of this runs).
+    5.8 to 3.0 ms (benchmarks/results/profile/2026-11-26-xeon-amx-argmax-ab). A float32 or float64 tensor on
+    the CPU goes to numpy's ``argmax`` instead (the same first maximal index, documented), a vectorised scan
+    about ten times faster again on one row (``benchmarks/sampling_cost.py`` times both). Tested equal to
+    ``argmax`` on ties, in float32 and bf16. A NaN counts as the maximum in all three (the model runners
+    reject NaN logits before any of this runs).
 
     scores of any shape (``[..., V]`` with the default ``dim``) -> int64 ``[...]`` (``[..., 1]`` with
     ``keepdim``)."""
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64) and scores.dim() > 0:
+        found = np.argmax(scores.detach().resolve_conj().resolve_neg().numpy(), axis=dim, keepdims=keepdim)
+        return torch.as_tensor(found, dtype=torch.int64)
     return torch.max(scores, dim=dim, keepdim=keepdim).indices
 
 
@@ -127,58 +133,52 @@ def top_p_mask_reference(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-#: the first candidate count of :func:`top_p_mask` (grown fourfold while a row's nucleus is larger)
-TOP_P_FIRST_K = 64
+#: the probability thresholds :func:`top_p_mask` tries, largest first: the tokens at or above one are its candidates
+TOP_P_THRESHOLDS = (1e-4, 1e-6, 1e-8)
 
 
 def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """:func:`top_p_mask_reference` without sorting the vocabulary (tested equal, ties included).
 
-    A nucleus is usually small. Take the ``k`` largest values of a row (``torch.topk``, a partial selection) and
-    the reference's own test on them (the same prefix sums as the full sort). Once their mass exceeds ``top_p``
-    by more than float32's rounding, every later token is outside, and the ``K`` kept positions are known; the
-    kept tokens are then every token above the ``K``-th value ``v`` plus, among the tokens equal to ``v``, the
-    lowest ids that fill ``K`` (the stable order). Rows whose nucleus is larger retry with 4k candidates; at the
-    whole vocabulary the reference decides. On a 262,144-entry row this replaces a full sort (tens of ms a row
-    on a 2-core CPU) by a selection of a few dozen values.
+    A nucleus is usually small. For a threshold ``t`` (:data:`TOP_P_THRESHOLDS`, largest first) the candidates
+    are a row's tokens with probability ``>= t``: every other token comes after all of them in the reference's
+    order. Sorting the candidates alone (stable, so ties keep the lowest ids first) gives the first positions of
+    that order and the reference's own prefix sums; once their mass exceeds ``top_p`` by more than float32's
+    rounding, the mass before every later token does too, so the nucleus is the first ``K`` candidates whose mass
+    before them is below ``top_p``. A row whose candidates hold too little mass tries the next threshold; past the
+    last one the reference decides. At most ``1 / t`` tokens reach ``t``, so the sort is short; on a row of
+    262,144 entries this is two vectorised scans (a comparison and its nonzero positions) and a sort of a few
+    dozen values instead of a full sort.
 
     probs ``[..., V]`` -> bool ``[..., V]`` (the reference's layout and result).
     """
     if probs.dtype not in (torch.float32, torch.float64):  # the margin below is float32's rounding
         probs = probs.float()
-    shape = probs.shape
-    flat = probs.reshape(-1, shape[-1])  # [M, V]
-    vocab = flat.shape[1]
+    flat = probs.reshape(-1, probs.shape[-1])  # [M, V]
     keep = torch.zeros_like(flat, dtype=torch.bool)  # [M, V]
-    todo = torch.arange(flat.shape[0], device=flat.device)
-    k = min(TOP_P_FIRST_K, vocab)
-    while todo.numel():
-        rows = flat if todo.numel() == flat.shape[0] else flat[todo]  # [m, V]
-        if k >= vocab:
-            keep[todo] = top_p_mask_reference(rows, top_p)
+    for r in range(flat.shape[0]):
+        keep[r] = _nucleus_of_row(flat[r], top_p)
+    return keep.reshape(probs.shape)
+
+
+def _nucleus_of_row(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """:func:`top_p_mask` of one row ``[V]`` -> bool ``[V]``."""
+    for threshold in TOP_P_THRESHOLDS:
+        ids = (row >= threshold).nonzero().squeeze(1)  # [C] ascending token ids
+        if ids.numel() == 0:
+            continue
+        values, order = torch.sort(row.index_select(0, ids), descending=True, stable=True)  # [C]
+        cum = values.cumsum(dim=0)
+        if float(cum[-1]) - _TOP_P_MARGIN < top_p:  # the nucleus may reach below the threshold
+            continue
+        inside = (cum - values) < top_p  # [C] the reference's test at the first C sorted positions
+        inside[0] = True
+        count = int(inside.sum())
+        if not bool(inside[:count].all()):  # not a prefix (rounding of an unnormalised row): let the reference say
             break
-        vals = torch.topk(rows, k, dim=-1).values  # [m, k] descending
-        cum = vals.cumsum(dim=-1)
-        inside = (cum - vals) < top_p  # [m, k] the reference's test at the first k sorted positions
-        inside[:, 0] = True
-        count = inside.sum(dim=-1, keepdim=True)  # [m, 1]
-        prefix = (inside == (torch.arange(k, device=flat.device) < count)).all(dim=-1)
-        decided = prefix & (cum[:, -1] - _TOP_P_MARGIN >= top_p)  # later positions: mass before them >= top_p
-        if bool(decided.any()):
-            idx = todo[decided]
-            cut = vals[decided].gather(1, count[decided] - 1)  # [d, 1] the smallest kept value
-            sub = rows if bool(decided.all()) else rows[decided]  # [d, V]
-            at_least = sub >= cut  # [d, V]
-            # more tokens equal to the cut than the nucleus has room for (ties): the lowest ids among them
-            excess = at_least.sum(dim=-1, keepdim=True) > count[decided]
-            if bool(excess.any()):
-                tied = sub == cut
-                need = count[decided] - (at_least & ~tied).sum(dim=-1, keepdim=True)
-                at_least = torch.where(excess, (at_least & ~tied) | (tied & (tied.cumsum(dim=-1) <= need)), at_least)
-            keep[idx] = at_least
-        todo = todo[~decided]
-        k = min(4 * k, vocab)
-    return keep.reshape(shape)
+        keep = torch.zeros_like(row, dtype=torch.bool)
+        return keep.index_fill_(0, ids.index_select(0, order[:count]), True)
+    return top_p_mask_reference(row[None], top_p)[0]
 
 
 #: how far past top_p the candidates' mass must reach before later tokens are known to be outside: a prefix sum

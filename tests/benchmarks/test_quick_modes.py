@@ -268,7 +268,8 @@ def test_sampling_cost_quick(tmp_path):
     assert sampling_cost.main(["--per-category", "1", "--new-tokens", "3", "--rounds", "1", "--threads", "1",
                                "--dtype", "float32", "--allow-dirty", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert [f["filter"] for f in res["filters"]] == [name for name, *_ in sampling_cost.FILTERS]
+    assert [f["filter"] for f in res["filters"]] == [name for name, *_ in sampling_cost.FILTERS] + list(
+        sampling_cost.KERNELS)
     assert all(f["median_ms"] > 0 for f in res["filters"])
     assert {r["setting"] for r in res["summary"]} == {name for name, *_ in sampling_cost.SETTINGS}
     assert res["summary"][0]["ratio_median"] == 1.0 and "| T=0.7 top-p 0.95 |" in (out / "table.md").read_text()

@@ -105,11 +105,12 @@ def _last_argmax(scores: torch.Tensor, dim: int = -1, keepdim: bool = False) -> 
     return (n - 1) - scores.flip(dim).argmax(dim=dim, keepdim=keepdim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_first_argmax_equals_argmax_on_ties(dtype):
-    """``first_argmax`` (``torch.max(dim)``) is ``argmax``: first maximal index on ties (ties to the lowest
-    token id, which greedy decoding relies on), along either dim, with keepdim, on a full-vocabulary row;
-    a row with NaN gives NaN's index in both. The last-index twin fails the tie check."""
+    """``first_argmax`` (numpy's ``argmax`` in float32 / float64 on the CPU, ``torch.max(dim)`` otherwise) is
+    ``argmax``: first maximal index on ties (ties to the lowest token id, which greedy decoding relies on), along
+    either dim, with keepdim, on a full-vocabulary row and on one row alone; a row with NaN gives NaN's index in
+    both. The last-index twin fails the tie check."""
     from treespec.sampling import first_argmax
 
     gen = torch.Generator().manual_seed(0)
@@ -123,6 +124,9 @@ def test_first_argmax_equals_argmax_on_ties(dtype):
                                                                      x.T.argmax(dim=0, keepdim=True))
         assert same is ok
     assert first_argmax(x).tolist()[:5] == [7, 7, int(x[2].float().argmax()), 0, 99]
+    one = first_argmax(x[0])
+    assert one.dtype == torch.int64 and one.shape == () and int(one) == 7
+    assert first_argmax(x).dtype == torch.int64
 
 
 # ------------------------------------------------------------------------------ the nucleus without a sort
@@ -157,6 +161,39 @@ def test_top_p_mask_on_a_full_vocabulary_row_with_ties_at_the_cut():
     mask = top_p_mask(probs, 0.35)
     assert torch.equal(mask, top_p_mask_reference(probs, 0.35))
     assert mask[0].nonzero().flatten().tolist() == [1000, 1001, 1002, 1003]
+
+
+def _tail_row(head: list[float], tail_prob: float, tail: int, vocab: int = 262144) -> torch.Tensor:
+    """``[vocab]``: the ``head`` probabilities, then ``tail`` tokens of ``tail_prob`` each, the rest zero."""
+    row = torch.zeros(vocab)
+    row[:len(head)] = torch.tensor(head)
+    row[len(head):len(head) + tail] = tail_prob
+    return row
+
+
+@pytest.mark.parametrize("case, threshold", [
+    ("peaked", 1e-4), ("tail above 1e-6", 1e-6), ("tail above 1e-8", 1e-8), ("tail below every threshold", None)])
+def test_top_p_mask_at_each_threshold_and_past_the_last(monkeypatch, case, threshold):
+    """Full-vocabulary rows whose nucleus reaches down to each of :data:`TOP_P_THRESHOLDS`, and one that reaches
+    below the last, where the sorting reference decides (its calls counted): equal to the reference."""
+    from treespec import sampling
+
+    assert sampling.TOP_P_THRESHOLDS == (1e-4, 1e-6, 1e-8)
+    rows = {"peaked": (_tail_row([0.5, 0.3, 0.1], 1e-3, 100), 0.95),
+            "tail above 1e-6": (_tail_row([0.5, 0.4], 5e-5, 2000), 0.95),
+            "tail above 1e-8": (_tail_row([0.5, 0.4], 5e-7, 200_000), 0.95),
+            "tail below every threshold": (_tail_row([1.0 - 262_000 * 1e-9], 1e-9, 262_000), 1.0 - 1e-5)}
+    row, top_p = rows[case]
+    probs = (row / row.sum())[None]
+    calls = []
+    reference = sampling.top_p_mask_reference
+    monkeypatch.setattr(sampling, "top_p_mask_reference", lambda p, t: calls.append(1) or reference(p, t))
+    got = sampling.top_p_mask(probs, top_p)
+    assert torch.equal(got, reference(probs, top_p))
+    assert (len(calls) == 1) == (threshold is None)
+    if threshold is not None:  # the nucleus reaches the threshold's band: a larger threshold would not have held it
+        kept = probs[got]
+        assert float(kept.min()) >= threshold and float(kept.min()) < {1e-4: 1, 1e-6: 1e-4, 1e-8: 1e-6}[threshold]
 
 
 def test_a_tie_break_by_highest_id_fails_the_comparison(monkeypatch):
