@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import select
 import signal
 import time
@@ -403,3 +404,26 @@ def test_head_files_record_paths_below_the_working_directory_relative(target, co
     (work / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     assert recorded_path(work / "linked" / "x") == "linked/x"  # a linked cache inside the checkout names no host
     assert recorded_path("rel/x") == "rel/x"
+
+
+_HOST_PATH = re.compile(r'"(/(?:root|home|work|tmp|Users)/[^"]*)"')
+
+
+def host_paths(metadata: dict[str, str]) -> list[str]:
+    """The absolute host paths (a JSON string starting at /root, /home, /work, /tmp or /Users) in a safetensors
+    file's metadata."""
+    return [p for value in metadata.values() for p in _HOST_PATH.findall(value)]
+
+
+def test_shipped_assets_record_no_host_paths():
+    """Every shipped weights file names its corpora and folders without a host's absolute paths; the twin: the
+    Medusa asset's earlier metadata (``/root/.cache/...`` corpora) is caught."""
+    from safetensors import safe_open
+
+    assets = sorted((Path(__file__).resolve().parents[2] / "treespec" / "assets").glob("*.safetensors"))
+    assert assets
+    for asset in assets:
+        with safe_open(str(asset), "pt") as f:
+            assert host_paths(f.metadata() or {}) == [], asset.name
+    earlier = {"extra": '{"summary": {"corpora": ["/root/.cache/treespec/distill/corpus/train-k0", "train-greedy"]}}'}
+    assert host_paths(earlier) == ["/root/.cache/treespec/distill/corpus/train-k0"]
