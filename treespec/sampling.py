@@ -69,7 +69,7 @@ def first_argmax(scores: torch.Tensor, dim: int = -1, keepdim: bool = False) -> 
     5.8 to 3.0 ms (benchmarks/results/profile/2026-11-26-xeon-amx-argmax-ab). A float32 or float64 tensor on
     the CPU goes to numpy's ``argmax`` instead (the same first maximal index, documented), a vectorised scan
     about ten times faster again on one row (``benchmarks/sampling_cost.py`` times both). Tested equal to
-    ``argmax`` on ties, in float32 and bf16. A NaN counts as the maximum in all three (the model runners
+    ``argmax`` on ties, in float32, float64 and bf16. A NaN counts as the maximum in all three (the model runners
     reject NaN logits before any of this runs).
 
     scores of any shape (``[..., V]`` with the default ``dim``) -> int64 ``[...]`` (``[..., 1]`` with
@@ -146,9 +146,11 @@ def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     that order and the reference's own prefix sums; once their mass exceeds ``top_p`` by more than float32's
     rounding, the mass before every later token does too, so the nucleus is the first ``K`` candidates whose mass
     before them is below ``top_p``. A row whose candidates hold too little mass tries the next threshold; past the
-    last one the reference decides. At most ``1 / t`` tokens reach ``t``, so the sort is short; on a row of
-    262,144 entries this is two vectorised scans (a comparison and its nonzero positions) and a sort of a few
-    dozen values instead of a full sort.
+    last one the reference decides. On real logits the nucleus is small (top-p 0.95 at T=0.7 on Gemma-3-270M:
+    a median of 8 tokens), so a row of 262,144 entries costs a few vectorised scans (its minimum, a comparison
+    and its nonzero positions) and a sort of a few dozen values instead of a full sort; a nucleus reaching
+    below the last threshold pays the candidate sorts and then the reference's. The reasoning needs entries
+    that are >= 0 and not NaN (probabilities): a row with a negative or NaN entry goes to the reference.
 
     probs ``[..., V]`` -> bool ``[..., V]`` (the reference's layout and result).
     """
@@ -163,6 +165,8 @@ def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _nucleus_of_row(row: torch.Tensor, top_p: float) -> torch.Tensor:
     """:func:`top_p_mask` of one row ``[V]`` -> bool ``[V]``."""
+    if not float(row.amin()) >= 0:  # a negative entry (the reference's prefix sums fall) or NaN (it sorts first)
+        return top_p_mask_reference(row[None], top_p)[0]
     for threshold in TOP_P_THRESHOLDS:
         ids = (row >= threshold).nonzero().squeeze(1)  # [C] ascending token ids
         if ids.numel() == 0:

@@ -406,13 +406,31 @@ def test_head_files_record_paths_below_the_working_directory_relative(target, co
     assert recorded_path("rel/x") == "rel/x"
 
 
-_HOST_PATH = re.compile(r'"(/(?:root|home|work|tmp|Users)/[^"]*)"')
+_ABSOLUTE = re.compile(r"^(?:/|[A-Za-z]:[\\/])")  # a POSIX root or a Windows drive
 
 
 def host_paths(metadata: dict[str, str]) -> list[str]:
-    """The absolute host paths (a JSON string starting at /root, /home, /work, /tmp or /Users) in a safetensors
-    file's metadata."""
-    return [p for value in metadata.values() for p in _HOST_PATH.findall(value)]
+    """The absolute paths in a safetensors file's metadata: any value, or any string inside a value that holds
+    JSON, that starts at a filesystem root (``/...``) or a Windows drive (``C:\\...``)."""
+    found = []
+
+    def walk(value) -> None:
+        if isinstance(value, str):
+            if _ABSOLUTE.match(value.strip()):
+                found.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    for value in metadata.values():
+        try:
+            walk(json.loads(value))
+        except ValueError:
+            walk(value)
+    return found
 
 
 def test_shipped_assets_record_no_host_paths():
@@ -427,3 +445,5 @@ def test_shipped_assets_record_no_host_paths():
             assert host_paths(f.metadata() or {}) == [], asset.name
     earlier = {"extra": '{"summary": {"corpora": ["/root/.cache/treespec/distill/corpus/train-k0", "train-greedy"]}}'}
     assert host_paths(earlier) == ["/root/.cache/treespec/distill/corpus/train-k0"]
+    assert host_paths({"src": "/mnt/data/x", "win": '{"a": ["C:\\\\runs\\\\head"]}', "ok": ".cache/x"}) == [
+        "/mnt/data/x", "C:\\runs\\head"]

@@ -151,6 +151,21 @@ def test_top_p_mask_equals_the_sorting_reference():
         assert torch.equal(top_p_mask(probs, top_p), top_p_mask_reference(probs, top_p)), (probs.shape, top_p)
 
 
+def test_top_p_mask_equals_the_reference_off_its_usual_input():
+    """float64 and bf16 rows, rows that do not sum to one, and rows with a negative or NaN entry (which the fast
+    path hands to the reference: with them a later token can come back under ``top_p``, or NaN sorts first)."""
+    from treespec.sampling import top_p_mask, top_p_mask_reference
+
+    for probs, top_p in _nucleus_cases(seed=1, n=60):
+        for variant in (probs.double(), probs.bfloat16(), probs * 1.3, probs * 0.7):
+            assert torch.equal(top_p_mask(variant, top_p), top_p_mask_reference(variant, top_p))
+    negative = torch.tensor([[0.97, -0.5, -0.5, 0.0]])
+    with_nan = torch.tensor([[0.97, 0.03, float("nan")] + [0.0] * 100])
+    for row in (negative, with_nan):
+        assert torch.equal(top_p_mask(row, 0.95), top_p_mask_reference(row, 0.95))
+    assert top_p_mask(negative, 0.95)[0].nonzero().flatten().tolist() == [0, 2]
+
+
 def test_top_p_mask_on_a_full_vocabulary_row_with_ties_at_the_cut():
     """262,144 entries, the nucleus cut inside a run of equal values: the lowest ids of the run are kept."""
     from treespec.sampling import top_p_mask, top_p_mask_reference
