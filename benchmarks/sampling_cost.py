@@ -41,7 +41,10 @@ KERNELS = ("top-p 0.95 mask: top_p_mask", "top-p 0.95 mask: sorting reference", 
 
 
 def filter_cost(model, tok, calls: int = 200) -> list[dict]:
-    """Median seconds of ``logits_to_probs`` on one row of the model's real logits, per filter setting."""
+    """Median milliseconds of ``logits_to_probs`` on one row of the model's real logits per filter setting, and of
+    each kernel of :data:`KERNELS` on the same row (checked equal to its reference there first)."""
+    from functools import partial
+
     import torch
 
     from treespec.sampling import SamplingConfig, first_argmax, logits_to_probs, top_p_mask, top_p_mask_reference
@@ -49,14 +52,13 @@ def filter_cost(model, tok, calls: int = 200) -> list[dict]:
     ids = torch.tensor([tok("The history of the printing press begins")["input_ids"]])
     row = model(ids).logits[0, -1:].float()  # [1, V]
     probs = logits_to_probs(row, SamplingConfig(0.7))  # [1, V]
-    calls_of = {name: (lambda top_k=top_k, top_p=top_p: logits_to_probs(row, SamplingConfig(0.7, top_k=top_k,
-                                                                                             top_p=top_p)))
+    calls_of = {name: partial(logits_to_probs, row, SamplingConfig(0.7, top_k=top_k, top_p=top_p))
                 for name, top_k, top_p in FILTERS}
-    calls_of.update(zip(KERNELS, (lambda: top_p_mask(probs, 0.95), lambda: top_p_mask_reference(probs, 0.95),
-                                  lambda: first_argmax(row), lambda: torch.max(row, dim=-1).indices)))
-    if not torch.equal(top_p_mask(probs, 0.95), top_p_mask_reference(probs, 0.95)) or not torch.equal(
-            first_argmax(row), torch.max(row, dim=-1).indices):
+    kernels = (partial(top_p_mask, probs, 0.95), partial(top_p_mask_reference, probs, 0.95), partial(first_argmax, row),
+               lambda: torch.max(row, dim=-1).indices)
+    if not torch.equal(kernels[0](), kernels[1]()) or not torch.equal(kernels[2](), kernels[3]()):
         raise AssertionError("a kernel disagrees with its reference on the timed row")
+    calls_of.update(zip(KERNELS, kernels))
     out = []
     for name, call in calls_of.items():
         times = []

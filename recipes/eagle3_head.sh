@@ -30,7 +30,8 @@
 #   TREESPEC_CACHE=$PWD/.cache/treespec INIT=.cache/e3-2000.safetensors SEED=1 LR=0.0005 WARMUP=50 STAGE=train \
 #     PIN=29,28 STEPS=1500 THREADS=2 MINUTES=63 RUN=eagle3-head-s32 recipes/eagle3_head.sh
 # It stopped at step 1463 (its time limit); its head (3,463 steps in all), to continue from with INIT and SEED=2:
-#   git show 8f940ab:benchmarks/results/draft/2026-11-29-5aa5f0b-eagle3-head-3463/head.safetensors > .cache/e3-3463.safetensors
+#   git show 8f940ab:benchmarks/results/draft/2026-11-29-5aa5f0b-eagle3-head-3463/head.safetensors \
+#     > .cache/e3-3463.safetensors
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES="${MINUTES:-30}"

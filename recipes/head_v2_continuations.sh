@@ -2,7 +2,8 @@
 # Recipe, stage 1 of the head-v2 distillation corpus (issue 15): Gemma-3-270M's own continuations of
 # ../shared/data/train prompts (never the eval set). Seeded and resumable: run it again (in as many
 # sessions as it takes) and it continues after the last finished chunk of 128 prompts. Chunks hold token
-# ids only (gzip JSON, chunk-NNNNN.json.gz, ~45 KB each) and are written into the repo (corpora/head-v2/continuations/NAME/),
+# ids only (gzip JSON, chunk-NNNNN.json.gz, ~45 KB each) and are written into the repo
+# (corpora/head-v2/continuations/NAME/),
 # so that finished chunks are committed and survive a lost cache; deleting the folder and running the
 # recipe rebuilds it from scratch. Rows 11000: of the seeded prompt order stay held out (calibration /
 # held-out agreement). One core, bf16 where the CPU computes it natively.

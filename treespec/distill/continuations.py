@@ -13,7 +13,8 @@ the logits, sampling = an exact draw from ``softmax(logits / T)`` in float32 wit
 
 A chunk is one gzip-compressed JSON file ``chunk-NNNNN.json.gz`` (folders written before chunks were compressed
 hold ``chunk-NNNNN.json``, read alike) holding the prompt indices, the prompts' token counts and the generated ids;
-a manifest fingerprints the recipe (prompt file hash, options) so a resumed run cannot mix recipes. A chunk is written atomically; a killed run loses at most the chunk it was on.
+a manifest fingerprints the recipe (prompt file hash, options) so a resumed run cannot mix recipes. A chunk is
+written atomically; a killed run loses at most the chunk it was on.
 
 Stage 2, :func:`build_corpus_from_continuations`, teacher-forces the target on the stored
 continuations into a corpus of :mod:`.corpus` (one shard per finished chunk).
