@@ -8,6 +8,7 @@ cannot differ. :func:`build_methods` turns the chosen rows into :class:`Method` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import time
@@ -527,6 +528,24 @@ def _hf_method(row: Row, targets: Targets) -> Method:
                      top_p_at=opts.top_p_at, **extra)
 
 
+@contextlib.contextmanager
+def _runner_model_params():
+    """While open, llama-cpp-python's ``Llama`` loads with the model parameters of treespec's llama.cpp runner
+    (:func:`treespec.models.llama_cpp.set_model_params`: the same extra buffer types), so that llama.cpp's own
+    rows and treespec's llama.cpp target run the same kernels on every host. ``Llama`` (0.3.36) takes no
+    such argument: it reads ``llama_cpp.llama_cpp.llama_model_default_params`` once while it loads."""
+    import llama_cpp.llama_cpp as low
+
+    from treespec.models.llama_cpp import set_model_params
+
+    default = low.llama_model_default_params
+    low.llama_model_default_params = lambda: set_model_params(default())
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 def _llama_method(row: Row, targets: Targets) -> Method:
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -538,9 +557,10 @@ def _llama_method(row: Row, targets: Targets) -> Method:
     progress(f"loading {gguf.name} in llama-cpp-python for {row.name}")
     # with a draft model llama-cpp-python keeps logits of every position but sizes its buffer from the
     # logits_all argument (0.3.36): prompts longer than n_batch crashed unless logits_all is passed
-    llm = Llama(model_path=str(gguf), n_ctx=opts.n_ctx, n_threads=opts.threads, n_threads_batch=opts.threads,
-                n_batch=512, seed=0, verbose=False, logits_all=bool(draft),
-                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
+    with _runner_model_params():
+        llm = Llama(model_path=str(gguf), n_ctx=opts.n_ctx, n_threads=opts.threads, n_threads_batch=opts.threads,
+                    n_batch=512, seed=0, verbose=False, logits_all=bool(draft),
+                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
 
     def run(prompt: dict, n: int, temperature: float, seed: int) -> dict:
         toks = llm.tokenize(prompt["text"].encode("utf-8"), add_bos=True, special=False)

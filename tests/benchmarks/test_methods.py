@@ -112,3 +112,26 @@ def test_run_refuses_an_unknown_method_by_name(capsys):
     with pytest.raises(SystemExit) as exc:
         run.main(["--methods", "ts_lookup_head", "ts_lokup_head", "--no-llama"])
     assert exc.value.code == 2 and "unknown --methods ts_lokup_head" in capsys.readouterr().err
+
+
+def test_llama_rows_load_with_the_runners_model_parameters(monkeypatch):
+    """llama.cpp's own rows (``llama_plain``, ``llama_prompt_lookup``) load through the runner's model parameters
+    (the same extra buffer types as treespec's llama.cpp target), and llama-cpp-python's default comes back
+    afterwards, also when loading fails."""
+    from treespec.models import llama_cpp as runner_module
+
+    if runner_module.llama_cpp_available() is not None:
+        pytest.skip(runner_module.llama_cpp_available())
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+    for allowed in (True, False):
+        monkeypatch.setattr(runner_module, "default_extra_buffers", lambda: allowed)
+        with methods._runner_model_params():
+            assert low.llama_model_default_params().use_extra_bufts is allowed
+            assert low.llama_model_default_params().n_gpu_layers == 0
+        assert low.llama_model_default_params is default
+    with pytest.raises(RuntimeError, match="load failed"):
+        with methods._runner_model_params():
+            raise RuntimeError("load failed")
+    assert low.llama_model_default_params is default

@@ -33,3 +33,38 @@ def test_flags_flip_the_answer(tmp_path, monkeypatch):
         monkeypatch.setattr(loading, "CPUINFO", path)
         assert loading.cpu_supports_bf16() is answer
         assert loading.default_dtype("cpu") == (torch.bfloat16 if answer else torch.float32)
+
+
+def test_flags_are_the_words_of_the_flags_lines(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: amx_int8 in a name is no flag\nflags\t\t: fpu avx2 amx_tile\n"
+                    "processor\t: 1\nflags\t\t: fpu avx2 amx_tile amx_int8\n")
+    monkeypatch.setattr(loading, "CPUINFO", info)
+    assert loading.cpu_flags() == {"fpu", "avx2", "amx_tile", "amx_int8"}
+    monkeypatch.setattr(loading, "CPUINFO", tmp_path / "absent")
+    assert loading.cpu_flags() == frozenset()
+
+
+def test_amx_flag_turns_llama_cpp_extra_buffers_off(tmp_path, monkeypatch):
+    """llama.cpp's AMX matrix product crashed on every batched decode of an AMX Xeon: a runner on such a CPU
+    loads without llama.cpp's extra buffer types unless asked; everywhere else it keeps llama.cpp's default."""
+    from treespec.models import llama_cpp
+
+    amx, avx512 = tmp_path / "amx", tmp_path / "avx512"
+    amx.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+    avx512.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    # the model name may say anything: only a flags line counts
+    named = tmp_path / "named"
+    named.write_text("model name\t: Xeon amx_int8\nflags\t\t: fpu avx2\n")
+
+    class Params:  # what llama_model_default_params() gives, as far as set_model_params reads it
+        n_gpu_layers, use_extra_bufts = 99, True
+
+    for path, has_amx in ((amx, True), (avx512, False), (named, False), (tmp_path / "absent", False)):
+        monkeypatch.setattr(loading, "CPUINFO", path)
+        assert loading.cpu_has_amx() is has_amx
+        assert llama_cpp.default_extra_buffers() is (not has_amx)
+        params = llama_cpp.set_model_params(Params())
+        assert params.use_extra_bufts is (not has_amx) and params.n_gpu_layers == 0
+        assert llama_cpp.set_model_params(Params(), extra_buffers=True).use_extra_bufts is True
+        assert llama_cpp.set_model_params(Params(), extra_buffers=False).use_extra_bufts is False

@@ -194,6 +194,52 @@ def test_refusals_name_the_problem(runner, tmp_path):
         LlamaCppRunner(tmp_path / "missing.gguf")
 
 
+def test_extra_buffers_follow_the_cpu_unless_asked(runner, monkeypatch):
+    """The runner loads with llama.cpp's extra buffer types where :func:`default_extra_buffers` allows them (off on
+    an AMX CPU, where llama.cpp's AMX product crashed on batched decodes), or as asked; these float32 tensors are
+    never repacked, so the logits do not change."""
+    from treespec.models import llama_cpp
+
+    ids = torch.tensor([1, 5, 9, 5, 9, 12])
+    runner.reset()
+    reference = runner.forward(None, None, ids)["logits"]
+    assert runner.extra_buffers is llama_cpp.default_extra_buffers()
+    for default in (True, False):
+        monkeypatch.setattr(llama_cpp, "default_extra_buffers", lambda: default)
+        for asked in (None, True, False):
+            other = LlamaCppRunner(runner.path, context=64, threads=1, extra_buffers=asked)
+            try:
+                assert other.extra_buffers is (default if asked is None else asked)
+                assert torch.allclose(other.forward(None, None, ids)["logits"], reference, atol=ATOL)
+            finally:
+                other.close()
+
+
+@pytest.mark.gemma
+def test_batched_decode_of_the_embedded_gguf_runs():
+    """A decode of eight tokens and a tree pass on the embedded Q4_K_M GGUF (the tensor types llama.cpp's repacked
+    kernels take) with the runner's default model parameters, in a child process, so that a crash inside
+    llama.cpp fails this test instead of ending the test run. On an Intel Xeon with AMX this process died with
+    a segmentation fault (return code -11) before :func:`~treespec.models.llama_cpp.default_extra_buffers`."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from treespec.models.llama_cpp import LlamaCppRunner\n"
+            "from treespec.models.loading import embedded_gguf\n"
+            "from treespec.tree import TokenTree\n"
+            "r = LlamaCppRunner(embedded_gguf(), context=64, threads=1)\n"
+            "out = r.forward(None, None, torch.arange(1000, 1008))\n"
+            "tree = TokenTree(torch.tensor([-1, 0, 0, 1]), torch.tensor([7, 8, 9, 10]))\n"
+            "rows = r.forward(tree, torch.arange(4))['logits']\n"
+            "r.commit([0, 1])\n"
+            "assert out['logits'].shape == (8, r.vocab_size) and rows.shape == (4, r.vocab_size)\n"
+            "assert torch.isfinite(rows).all() and r.cache_length == 10\n"
+            "print('ok', r.extra_buffers)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), (proc.returncode, proc.stderr[-2000:])
+
+
 def test_greedy_identity_with_own_plain_decoding(runner):
     """n-gram trees (several branches) at T=0 give exactly the runner's own plain greedy output: tiny
     float32 models have no near-ties at the batch noise's scale."""

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..tree import TokenTree
+from .loading import cpu_has_amx
 from .runner import DraftObservation
 
 #: the most sequence ids llama.cpp takes (``LLAMA_MAX_SEQ``): one for the prefix, the rest for paths
@@ -60,6 +61,30 @@ def llama_cpp_available() -> str | None:
         return f"llama-cpp-python is not usable ({type(exc).__name__}: {exc}); install it with " \
                f"pip install llama-cpp-python"
     return None
+
+
+def default_extra_buffers() -> bool:
+    """Whether a runner lets llama.cpp move weights into its extra CPU buffer types by default
+    (``llama_model_params.use_extra_bufts``: weights repacked for its AMX and other blocked matrix products):
+    everywhere but on a CPU with AMX (:func:`~treespec.models.loading.cpu_has_amx`).
+
+    On an Intel Xeon with AMX (family 6, model 167 as its VM reports it; llama-cpp-python 0.3.36 built from
+    source there), every ``llama_decode`` of two or more tokens died with a segmentation fault inside
+    llama.cpp's AMX matrix product, llama-cpp-python's own ``Llama`` included; one-token decodes ran. Without
+    the extra buffers every batch decoded, and a one-token step took the same time (24.2 against 24.4 ms; the
+    session of 2026-12-01 in ``docs/results.md``). The same crash is reported upstream on other AMX machines
+    (ggml-org/llama.cpp issue 20824); ``extra_buffers=True`` asks for the buffers anyway."""
+    return not cpu_has_amx()
+
+
+def set_model_params(params, extra_buffers: bool | None = None):
+    """``params`` (llama.cpp's ``llama_model_params``, as ``llama_model_default_params()`` gives them) set as the
+    runner loads a model: CPU only, ``use_extra_bufts`` from ``extra_buffers`` (None:
+    :func:`default_extra_buffers`); returns ``params``. The runner and the benchmarks' llama.cpp rows load
+    through it, so that both run the same kernels."""
+    params.n_gpu_layers = 0  # the runner's tensors are host tensors (device cpu), the captured ones too
+    params.use_extra_bufts = default_extra_buffers() if extra_buffers is None else bool(extra_buffers)
+    return params
 
 
 def _lib():
@@ -107,6 +132,9 @@ class LlamaCppRunner:
         longer for an odd number of rows than for the next even one on an AVX2 AMD EPYC (3 rows 59 ms, 4 rows
         33 ms; ``benchmarks/results/profile/`` ``*-llama-cpp-epyc-avx2-rows``, where ``profile_llama_cpp.py``
         measures it for any host).
+    extra_buffers : let llama.cpp repack weights into its extra CPU buffer types (AMX and other blocked
+        products); None (the default): :func:`default_extra_buffers`, off on a CPU with AMX, where llama.cpp's
+        AMX product crashed on every batch of two or more tokens.
     """
 
     model = None  # no PyTorch module behind it
@@ -115,7 +143,8 @@ class LlamaCppRunner:
 
     def __init__(self, gguf_path: str | os.PathLike, *, context: int = 4096, threads: int | None = None,
                  max_leaves: int = DEFAULT_MAX_LEAVES, tree_cells: int = DEFAULT_TREE_CELLS,
-                 capture_hidden: bool = False, even_outputs: bool = True) -> None:
+                 capture_hidden: bool = False, even_outputs: bool = True,
+                 extra_buffers: bool | None = None) -> None:
         path = Path(gguf_path)
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file {str(path)!r}")
@@ -128,8 +157,8 @@ class LlamaCppRunner:
                 raise ValueError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
         ll = self._ll = _lib()
         _quiet_backend(ll)
-        mparams = ll.llama_model_default_params()
-        mparams.n_gpu_layers = 0  # the runner's tensors are host tensors (device cpu), the captured ones too
+        mparams = set_model_params(ll.llama_model_default_params(), extra_buffers)
+        self.extra_buffers = bool(mparams.use_extra_bufts)
         self._model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {str(path)!r}")

@@ -41,10 +41,28 @@ class CacheError(ValueError):
 CPUINFO = Path("/proc/cpuinfo")
 
 
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of this CPU (the words of every ``flags`` line of :data:`CPUINFO`); empty where the
+    file cannot be read. The one reader of CPU features in treespec: :func:`cpu_supports_bf16` and
+    :func:`cpu_has_amx` ask it."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(word for line in text.splitlines() if line.startswith("flags")
+                     for word in line.partition(":")[2].split())
+
+
+def cpu_has_amx() -> bool:
+    """True if this CPU advertises Intel's AMX integer tiles (the ``amx_int8`` flag of :data:`CPUINFO`), the unit
+    llama.cpp's AMX matrix product runs on (:func:`treespec.models.llama_cpp.default_extra_buffers`)."""
+    return "amx_int8" in cpu_flags()
+
+
 def cpu_supports_bf16() -> bool:
     """True if this CPU has native bf16 arithmetic (the ``avx512_bf16`` or ``amx_bf16`` flag of
-    :data:`CPUINFO`); False where the file cannot be read. The one CPU-feature detector of treespec
-    (the default dtype and the distillation's autocast both ask it).
+    :data:`CPUINFO`); False where the file cannot be read (the default dtype and the distillation's autocast
+    both ask it).
 
     Read by hand because torch's public answers are about other facts: ``torch.backends.cpu.
     get_cpu_capability()`` names the vector width its kernels use (``"AVX512"`` also on CPUs whose
@@ -55,10 +73,7 @@ def cpu_supports_bf16() -> bool:
     weights is yet another fact, probed where it is used
     (:func:`~treespec.models.fast.packed.bf16_packing_supported`).
     """
-    try:
-        flags = CPUINFO.read_text()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
