@@ -71,9 +71,9 @@ def default_extra_buffers() -> bool:
     On an Intel Xeon with AMX (family 6, model 167 as its VM reports it; llama-cpp-python 0.3.36 built from
     source there), every ``llama_decode`` of two or more tokens died with a segmentation fault inside
     llama.cpp's AMX matrix product, llama-cpp-python's own ``Llama`` included; one-token decodes ran. Without
-    the extra buffers every batch decoded, and a one-token step took the same time (24.2 against 24.4 ms; the
-    session of 2026-12-01 in ``docs/results.md``). The same crash is reported upstream on other AMX machines
-    (ggml-org/llama.cpp issue 20824); ``extra_buffers=True`` asks for the buffers anyway."""
+    the extra buffers every batch decoded, and a one-token step took about the same time as with them (an ad
+    hoc check; the session of 2026-12-01 in ``docs/results.md``). The same crash is reported upstream on other
+    AMX machines (ggml-org/llama.cpp issue 20824); ``extra_buffers=True`` asks for the buffers anyway."""
     return not cpu_has_amx()
 
 
