@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .packed import MIN_ROWS
+
 #: hidden dimensions whose columns stay in float32 (the largest activation ranges)
 OUTLIERS = 16
 #: SmoothQuant's migration strength: 0 leaves activations as they are, 1 moves their whole range onto the weights
@@ -133,9 +135,12 @@ def int8_head_logits(hidden: torch.Tensor, head: Int8Head) -> torch.Tensor:
     """float32 logits ``[R, V]`` of ``hidden`` ``[R, H]`` through ``head`` (formula in the module docs)."""
     codes, rng = activation_codes(hidden, head.plan)
     x_u8 = (codes + _ZERO_POINT).to(torch.uint8)  # [R, H - k]
+    rows = x_u8.shape[0]
+    if rows < MIN_ROWS:  # see MIN_ROWS: oneDNN's 1- and 2-row int8 products round otherwise on an AMX Xeon
+        x_u8 = torch.cat([x_u8, x_u8.new_full((MIN_ROWS - rows, x_u8.shape[1]), _ZERO_POINT)])
     out = torch.ops.onednn.qlinear_pointwise(x_u8, 1.0 / 127, _ZERO_POINT, head.packed, head.scales,
                                              head.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-    out.mul_(rng)  # [R, V]
+    out = out[:rows].mul_(rng)  # [R, V]
     if head.outlier_weight.shape[0]:
         out += _outlier_term(hidden.float()[:, head.plan.outliers], head.outlier_weight)
     return out

@@ -44,7 +44,10 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 #: products of fewer rows are padded with zero rows up to this many: oneDNN (3.12, avx512_core_bf16)
 #: picks slower kernels for 1- and 2-row bf16 products; a 2-token pass of the fast Gemma runner cost
 #: 1.19 t(1) before (benchmarks/results/profile/2026-11-24-d66018c-bf16-int4) and 1.01 t(1) after
-#: (.../2026-11-25-2baf2b3-bf16-int4). Each row's values do not change (tested bit for bit).
+#: (.../2026-11-25-2baf2b3-bf16-int4). Each row's values do not change (tested bit for bit). The 8-bit LM
+#: head pads alike (:func:`~treespec.models.fast.int8_head.int8_head_logits`): on an Intel Xeon with AMX
+#: oneDNN's 1- and 2-row int8 products rounded by one ulp differently from products of 3 rows or more, so a
+#: row's logits depended on the rows beside it.
 MIN_ROWS = 4
 
 
