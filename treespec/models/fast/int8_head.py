@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packed import MIN_ROWS
+from .packed import pad_rows
 
 #: hidden dimensions whose columns stay in float32 (the largest activation ranges)
 OUTLIERS = 16
@@ -135,12 +135,11 @@ def int8_head_logits(hidden: torch.Tensor, head: Int8Head) -> torch.Tensor:
     """float32 logits ``[R, V]`` of ``hidden`` ``[R, H]`` through ``head`` (formula in the module docs)."""
     codes, rng = activation_codes(hidden, head.plan)
     x_u8 = (codes + _ZERO_POINT).to(torch.uint8)  # [R, H - k]
-    rows = x_u8.shape[0]
-    if rows < MIN_ROWS:  # see MIN_ROWS: oneDNN's 1- and 2-row int8 products round otherwise on an AMX Xeon
-        x_u8 = torch.cat([x_u8, x_u8.new_full((MIN_ROWS - rows, x_u8.shape[1]), _ZERO_POINT)])
-    out = torch.ops.onednn.qlinear_pointwise(x_u8, 1.0 / 127, _ZERO_POINT, head.packed, head.scales,
-                                             head.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-    out = out[:rows].mul_(rng)  # [R, V]
+    # padded to MIN_ROWS: oneDNN's 1- and 2-row int8 products round otherwise on an AMX Xeon
+    out = torch.ops.onednn.qlinear_pointwise(pad_rows(x_u8, _ZERO_POINT), 1.0 / 127, _ZERO_POINT, head.packed,
+                                             head.scales, head.zero_points, None, 1.0, 0, torch.float32, "none", [],
+                                             "")
+    out = out[:x_u8.shape[0]].mul_(rng)  # [R, V]
     if head.outlier_weight.shape[0]:
         out += _outlier_term(hidden.float()[:, head.plan.outliers], head.outlier_weight)
     return out

@@ -51,12 +51,16 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 MIN_ROWS = 4
 
 
+def pad_rows(x: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """``x`` ``[rows, in]`` with rows of ``fill`` appended up to :data:`MIN_ROWS` (``x`` itself when it has as many)."""
+    rows = x.shape[0]
+    return x if rows >= MIN_ROWS else torch.cat([x, x.new_full((MIN_ROWS - rows, x.shape[1]), fill)])
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for a weight packed by :func:`pack_weight`; ``x`` ``[rows, in]`` in the weight's dtype."""
-    rows = x.shape[0]
-    if x.dim() == 2 and rows < MIN_ROWS:
-        padded = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
-        return torch.ops.mkldnn._linear_pointwise(padded, packed, None, "none", [], "")[:rows]
+    if x.dim() == 2 and x.shape[0] < MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(pad_rows(x), packed, None, "none", [], "")[:x.shape[0]]
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
