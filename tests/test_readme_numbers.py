@@ -68,6 +68,8 @@ def check_readme(text: str, root: Path = ROOT, page_dir: Path | None = None) -> 
         except ValueError:  # outside the repository
             continue
         if not target.startswith(RESULTS_PREFIX):
+            if not (root / target).exists():  # a broken link to a page, script or folder of the repository
+                errors.append(f"[{label}]({m.group(2)}): the linked path does not exist")
             continue
         path = root / target
         if not path.is_file():
@@ -125,6 +127,13 @@ def test_a_changed_figure_fails():
 def test_a_missing_file_fails():
     errors, _ = check_readme("[2.08x](benchmarks/results/speed/no-such-run/table.md)")
     assert errors and "does not exist" in errors[0]
+
+
+def test_a_broken_link_outside_the_results_fails():
+    """A link to a page of the repository must lead somewhere (an unfilled ``({T})`` template once slipped by)."""
+    ok, _ = check_readme("[the docs](docs/results.md) and [figures](docs/)")
+    errors, _ = check_readme("[1.766]({T}) and [a page](docs/no-such-page.md)")
+    assert not ok and len(errors) == 2 and all("does not exist" in e for e in errors)
 
 
 @pytest.mark.parametrize("quoted, file_text, ok", [
