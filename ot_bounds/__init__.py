@@ -18,6 +18,10 @@ prob_all_drafts_in, draft_tuple_law      draft laws
 expected_accepted_length,
 tree_acceptance_upper_bound,
 optimal_node_acceptance                  tree level (Sequoia's F(T) and its OT bound)
+chain_acceptance,
+chain_acceptance_upper_bound,
+lp_chain_optimal_acceptance,
+sample_chain_acceptance                  chain level (token and block verification, the optimum)
 release_workspace                        free this thread's reusable scratch buffers
 
 Submodules not imported here:
@@ -34,6 +38,14 @@ Chen et al., "Sequoia", arXiv:2402.12374.
 """
 
 from .brute_force import brute_force_optimal_acceptance
+from .chains import (
+    CHAIN_VERIFIERS,
+    SampledChainAcceptance,
+    chain_acceptance,
+    chain_acceptance_upper_bound,
+    lp_chain_optimal_acceptance,
+    sample_chain_acceptance,
+)
 from .draft_laws import TUPLE_LAWS, TupleLaw, draft_tuple_law, prob_all_drafts_in
 from .flow import FlowResult, flow_optimal_acceptance
 from .lp import LPResult, lp_optimal_acceptance
@@ -56,6 +68,7 @@ from ._validation import SAMPLINGS
 from ._workspace import release_workspace
 
 __all__ = [
+    "CHAIN_VERIFIERS",
     "SAMPLINGS",
     "TUPLE_LAWS",
     "VERIFIERS",
@@ -63,13 +76,17 @@ __all__ = [
     "FlowResult",
     "LPResult",
     "OptimalAcceptance",
+    "SampledChainAcceptance",
     "TupleLaw",
     "VerifierOutcome",
     "brute_force_optimal_acceptance",
+    "chain_acceptance",
+    "chain_acceptance_upper_bound",
     "child_ranks",
     "draft_tuple_law",
     "expected_accepted_length",
     "flow_optimal_acceptance",
+    "lp_chain_optimal_acceptance",
     "lp_optimal_acceptance",
     "optimal_acceptance",
     "optimal_node_acceptance",
@@ -77,6 +94,7 @@ __all__ = [
     "positional_acceptance",
     "prob_all_drafts_in",
     "release_workspace",
+    "sample_chain_acceptance",
     "tree_acceptance_upper_bound",
     "verifier_acceptance",
     "verifier_outcome",
