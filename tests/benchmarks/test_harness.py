@@ -191,7 +191,7 @@ def test_llama_missing_is_a_reason_not_a_crash():
 
 
 @pytest.mark.parametrize("script", ["run", "bench_trees", "bench_ot_bounds", "draft_card", "early_exit_layers",
-                                    "study_real_model", "fault_conversion", "head_domains"])
+                                    "study_real_model", "study_chains", "fault_conversion", "head_domains"])
 def test_every_script_uses_the_common_provenance(script):
     src = (common.REPO / "benchmarks" / f"{script}.py").read_text()
     assert "add_output_args(ap)" in src and "open_results(" in src

@@ -1,0 +1,42 @@
+"""The chain study's evaluation (``benchmarks/study_chains.py``) on small tables, against ot_bounds' exact values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.study_chains import evaluate_position, markdown, summarise
+from ot_bounds import chain_acceptance, chain_acceptance_upper_bound, sample_chain_acceptance
+
+
+def test_a_position_against_the_exact_values():
+    """Seeded (position seed 3), 20,000 blocks: block and bound within 4 standard errors of their exact values,
+    token exact, and the paired difference is block minus token on the same blocks."""
+    rng = np.random.default_rng(0)
+    p, q = rng.dirichlet(np.ones(5) * 0.6), rng.dirichlet(np.ones(5) * 0.6)
+    got = evaluate_position(p, q, [2, 3], samples=20_000, seed=3)
+    for d in (2, 3):
+        se = sample_chain_acceptance(p, q, d, "block", samples=20_000, seed=3).stderr
+        assert abs(got[d]["block"] - chain_acceptance(p, q, d, "block")) < 4 * se
+        assert abs(got[d]["bound"] - chain_acceptance_upper_bound(p, q, d)) < 4 * se
+        assert got[d]["token"] == pytest.approx(chain_acceptance(p, q, d, "token"))
+        assert got[d]["block_minus_token"] == pytest.approx(got[d]["block"] - got[d]["token_sampled"])
+    # the twin: the block value is not the token one (their gap is many standard errors here)
+    assert abs(got[3]["block"] - got[3]["token"]) > 4 * se
+
+
+def test_summary_and_table():
+    rng = np.random.default_rng(1)
+    rows = []
+    for i in range(4):
+        p, q = rng.dirichlet(np.ones(4)), rng.dirichlet(np.ones(4))
+        rows.append({0.7: evaluate_position(p, q, [2], samples=500, seed=i)})
+    summary = summarise(rows, [0.7], [2])
+    cell = summary["T=0.7/d=2"]
+    assert cell["block"]["mean"] == pytest.approx(np.mean([r[0.7][2]["block"] for r in rows]))
+    assert cell["block_over_bound"] <= 1.0 + 1e-9 and cell["token"]["stderr"] > 0
+    settings = {"commit": "abc", "date": "d", "runtime_s": 1.0, "machine": {"cpu": "x", "cores": 2},
+                "draft": "h", "positions": 4, "per_category": 1, "new_tokens": 8, "gen_temperature": 0.7,
+                "seed": 0, "samples": 500}
+    table = markdown(summary, settings)
+    assert "| 0.7 | 2 |" in table and f"{cell['block']['mean']:.4f}" in table
