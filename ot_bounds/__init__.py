@@ -17,7 +17,9 @@ positional_acceptance                    exact acceptance of verifiers
 prob_all_drafts_in, draft_tuple_law      draft laws
 expected_accepted_length,
 tree_acceptance_upper_bound,
-optimal_node_acceptance                  tree level (Sequoia's F(T) and its OT bound)
+optimal_node_acceptance                  tree level (Sequoia's F(T) and its node-local OT bound)
+tree_acceptance,
+lp_tree_optimal_acceptance               rrs and traversal exactly; the bound of every lossless verifier
 chain_acceptance,
 chain_acceptance_upper_bound,
 lp_chain_optimal_acceptance,
@@ -51,9 +53,12 @@ from .flow import FlowResult, flow_optimal_acceptance
 from .lp import LPResult, lp_optimal_acceptance
 from .optimal import OptimalAcceptance, optimal_acceptance, optimal_subset
 from .trees import (
+    TREE_VERIFIERS,
     child_ranks,
     expected_accepted_length,
+    lp_tree_optimal_acceptance,
     optimal_node_acceptance,
+    tree_acceptance,
     tree_acceptance_upper_bound,
 )
 from .verifiers import (
@@ -70,6 +75,7 @@ from ._workspace import release_workspace
 __all__ = [
     "CHAIN_VERIFIERS",
     "SAMPLINGS",
+    "TREE_VERIFIERS",
     "TUPLE_LAWS",
     "VERIFIERS",
     "VERIFIER_LAW",
@@ -87,6 +93,7 @@ __all__ = [
     "expected_accepted_length",
     "flow_optimal_acceptance",
     "lp_chain_optimal_acceptance",
+    "lp_tree_optimal_acceptance",
     "lp_optimal_acceptance",
     "optimal_acceptance",
     "optimal_node_acceptance",
@@ -95,6 +102,7 @@ __all__ = [
     "prob_all_drafts_in",
     "release_workspace",
     "sample_chain_acceptance",
+    "tree_acceptance",
     "tree_acceptance_upper_bound",
     "verifier_acceptance",
     "verifier_outcome",

@@ -41,18 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy import optimize, sparse
-
 from ._validation import check_distributions
+from .trees import lp_tree_optimal_acceptance
 
 #: the chain verifiers whose exact ``E[tau]`` this module computes
 CHAIN_VERIFIERS: tuple[str, ...] = ("token", "block")
 
 #: most drafted blocks (``A^d``) an exact enumeration visits
 MAX_BLOCKS = 500_000
-
-#: most coupling variables (``A^d * B^d``) of :func:`lp_chain_optimal_acceptance`
-MAX_LP_VARIABLES = 250_000
 
 #: most sampled blocks held at once by :func:`sample_chain_acceptance` (larger requests run in chunks)
 SAMPLE_CHUNK = 65_536
@@ -218,39 +214,16 @@ def lp_chain_optimal_acceptance(p: ArrayLike, q: ArrayLike, depth: int) -> float
         maximise   sum_{x, y} pi(x, y) lcp(x, y)
         subject to sum_y pi(x, y) = q^d(x),   sum_x pi(x, y) = p^d(y)
 
-    with :math:`\mathrm{lcp}` the length of the common prefix. At most :data:`MAX_LP_VARIABLES` variables
-    (small vocabularies and depths). Solved with ``scipy.optimize.linprog(method="highs")``.
+    with :math:`\mathrm{lcp}` the length of the common prefix: :func:`~ot_bounds.trees.lp_tree_optimal_acceptance`
+    on the chain's shape (at most :data:`~ot_bounds.trees.MAX_LP_VARIABLES` variables).
 
     Examples
     --------
     >>> round(lp_chain_optimal_acceptance([0.6, 0.3, 0.1], [0.2, 0.3, 0.5], 2), 6)
     1.04
     """
-    pa, qa = check_distributions(p, q)
     depth = _check_depth(depth)
-    xs, ys = np.flatnonzero(qa > 0), np.flatnonzero(pa > 0)
-    nx, ny = float(xs.size) ** depth, float(ys.size) ** depth
-    if nx * ny > MAX_LP_VARIABLES:
-        raise ValueError(f"lp_chain_optimal_acceptance needs {nx * ny:.3g} coupling variables "
-                         f"({xs.size}^{depth} drafted x {ys.size}^{depth} output blocks); limit is "
-                         f"{MAX_LP_VARIABLES}. Use chain_acceptance_upper_bound for larger ones.")
-    x_blocks = xs[np.indices((xs.size,) * depth).reshape(depth, -1).T]  # shape (X, d)
-    y_blocks = ys[np.indices((ys.size,) * depth).reshape(depth, -1).T]  # shape (Y, d)
-    qx = np.prod(qa[x_blocks], axis=1)  # shape (X,)
-    py = np.prod(pa[y_blocks], axis=1)  # shape (Y,)
-    same = x_blocks[:, None, :] == y_blocks[None, :, :]  # shape (X, Y, d)
-    lcp = np.cumprod(same, axis=2).sum(axis=2).astype(np.float64)  # shape (X, Y)
-    n_x, n_y = qx.size, py.size
-    cols = np.arange(n_x * n_y)
-    rows = np.concatenate((cols // n_y, n_x + cols % n_y))
-    a_eq = sparse.csr_matrix((np.ones(2 * cols.size), (rows, np.concatenate((cols, cols)))),
-                             shape=(n_x + n_y, n_x * n_y))
-    # both marginals sum to 1, so one equality is implied: drop the last (rounding could make it infeasible)
-    b_eq = np.concatenate((qx / qx.sum(), py / py.sum()))
-    res = optimize.linprog(-lcp.ravel(), A_eq=a_eq[:-1], b_eq=b_eq[:-1], bounds=(0, None), method="highs")
-    if res.status != 0:
-        raise RuntimeError(f"lp_chain_optimal_acceptance: the LP solver failed ({res.message})")
-    return float(-res.fun)
+    return lp_tree_optimal_acceptance(np.arange(-1, depth - 1), p, q)
 
 
 def sample_chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: str = "block", *,

@@ -1,0 +1,109 @@
+"""Tree level: traversal verification's exact expected accepted length, and the bound of every lossless verifier.
+
+References: ot_bounds' traversal (numpy, written from the definition) against treespec's own traversal verifier
+(torch), enumerated over every drafted tree; on chains against block verification (ot_bounds.chains); on one-level
+trees against recursive rejection sampling; the LP bound against both. The node-local bound of
+``tree_acceptance_upper_bound`` is shown to be exceeded by a verifier that looks below a node.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from ot_bounds import (
+    chain_acceptance,
+    lp_tree_optimal_acceptance,
+    optimal_node_acceptance,
+    tree_acceptance,
+    tree_acceptance_upper_bound,
+)
+from ot_bounds import trees
+from treespec.tree import TokenTree
+from treespec.verify.traversal import traversal_outcome_law
+
+SHAPES = {"one level": [-1, -1, -1], "chain": [-1, 0, 1], "1-2": [-1, 0, 0], "2-2": [-1, -1, 0, 0, 1, 1],
+          "3-1": [-1, -1, -1, 0, 1, 2], "uneven": [-1, -1, 0, 2, 2]}
+
+
+def random_pair(rng, v: int, zeros: bool):
+    p, q = rng.dirichlet(np.ones(v) * 0.6), rng.dirichlet(np.ones(v) * 0.6)
+    if zeros:
+        q[0], p[1] = 0.0, 0.0
+        p, q = p / p.sum(), q / q.sum()
+    return p, q
+
+
+def enumerated_traversal(parents: list[int], p, q) -> float:
+    """Sum over every drafted tree of Q(tree) x E[accepted | tree] from treespec's exact traversal law."""
+    n = len(parents)
+    tree_parents = [-1] + [x + 1 for x in parents]  # treespec's node 0 is the root
+    depth = [0] * (n + 1)
+    for i in range(1, n + 1):
+        depth[i] = depth[tree_parents[i]] + 1
+    target_probs = torch.tensor(np.tile(p, (n + 1, 1)))  # [n + 1, V]
+    draft_probs = torch.tensor(np.tile(q, (n + 1, 1)))  # [n + 1, V]
+    total = 0.0
+    for tokens in itertools.product(range(len(p)), repeat=n):
+        weight = float(np.prod(q[list(tokens)]))
+        if weight == 0.0:
+            continue
+        tree = TokenTree.from_lists(tree_parents, [0, *tokens], law="iid")
+        stop = traversal_outcome_law(tree, target_probs, draft_probs).sum(1)  # [n + 1] P(stop at node)
+        total += weight * float(np.dot(stop.numpy(), depth))
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("zeros", [False, True])
+def test_traversal_equals_treespec_traversal_verifier(name, zeros):
+    p, q = random_pair(np.random.default_rng(len(name) + 10 * zeros), 3, zeros)
+    assert tree_acceptance(SHAPES[name], p, q, "traversal") == pytest.approx(
+        enumerated_traversal(SHAPES[name], p, q), abs=1e-12)
+
+
+def test_the_traversal_comparison_fails_on_a_broken_rule(monkeypatch):
+    """The twin: the parent's state after a rejection left unnormalised, (m - q)_+, changes the value."""
+    p, q = random_pair(np.random.default_rng(3), 3, False)
+    reference = enumerated_traversal(SHAPES["2-2"], p, q)
+    monkeypatch.setattr(trees, "_after_rejection", lambda m, q_row: np.maximum(m - q_row, 0.0))
+    assert abs(tree_acceptance(SHAPES["2-2"], p, q, "traversal") - reference) > 1e-3
+
+
+def test_special_cases_and_ordering():
+    """Traversal is block verification on a chain and rrs on one level; rrs <= traversal <= the LP bound."""
+    rng = np.random.default_rng(4)
+    for trial in range(10):
+        p, q = random_pair(rng, int(rng.integers(2, 4)), zeros=trial % 4 == 0)
+        assert tree_acceptance([-1, 0, 1], p, q) == pytest.approx(chain_acceptance(p, q, 3, "block"), abs=1e-12)
+        assert tree_acceptance([-1, -1, -1], p, q) == pytest.approx(tree_acceptance([-1, -1, -1], p, q, "rrs"),
+                                                                    abs=1e-12)
+        for parents in (SHAPES["1-2"], SHAPES["uneven"], SHAPES["2-2"]):
+            rrs, trav = tree_acceptance(parents, p, q, "rrs"), tree_acceptance(parents, p, q, "traversal")
+            assert rrs <= trav + 1e-12 and trav <= lp_tree_optimal_acceptance(parents, p, q) + 1e-7
+
+
+def test_the_node_local_bound_does_not_hold_for_path_verifiers():
+    """p = (0.6, 0.3, 0.1), q = (0.2, 0.3, 0.5), a chain of two: the node-local bound is token-level's 0.96,
+    block (= traversal) verification keeps 1.0, the LP bound of every lossless verifier is 1.04."""
+    p, q = [0.6, 0.3, 0.1], [0.2, 0.3, 0.5]
+    node_local = tree_acceptance_upper_bound([-1, 0], optimal_node_acceptance(p, q, 1))
+    assert node_local == pytest.approx(0.96)
+    block = tree_acceptance([-1, 0], p, q)
+    assert block == pytest.approx(1.0) and block > node_local + 0.03
+    assert lp_tree_optimal_acceptance([-1, 0], p, q) == pytest.approx(1.04)
+    assert tree_acceptance([-1, 0], p, q, "rrs") <= node_local + 1e-12  # a node rule stays below it
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: tree_acceptance([-1, 0], [0.5, 0.5], [0.5, 0.5], "kseq"), "unknown tree verifier"),
+    (lambda: tree_acceptance([-1] * 12, np.ones(4) / 4, np.ones(4) / 4), "drafted trees"),
+    (lambda: lp_tree_optimal_acceptance([-1, 0, 1, 2], np.ones(8) / 8, np.ones(8) / 8), "coupling variables"),
+    (lambda: tree_acceptance([0], [0.5, 0.5], [0.5, 0.5]), "parents"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
