@@ -19,7 +19,7 @@ expected_accepted_length,
 tree_acceptance_upper_bound,
 optimal_node_acceptance                  tree level (Sequoia's F(T) and its node-local OT bound)
 tree_acceptance,
-lp_tree_optimal_acceptance               rrs and traversal exactly; the bound of every lossless verifier
+lp_tree_optimal_acceptance               rrs and traversal exactly; the optimum of every lossless verifier
 chain_acceptance,
 chain_acceptance_upper_bound,
 lp_chain_optimal_acceptance,

@@ -7,6 +7,7 @@ every entry point reports bad input with the same, explicit messages.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -132,3 +133,17 @@ def check_small_vocab(v: int, n: int, sampling: str, limit: int, what: str,
     size = float(v) ** n if sampling != "greedy_draft" else float(v)
     if size > limit:
         raise TooManyTuples(what, size, v, n, limit, advice)
+
+
+def check_count(base: int, power: int, limit: int, message: str) -> int:
+    """``base ** power`` as an int when it is at most ``limit``, else ``ValueError(message + "; limit is ...")``,
+    decided in log space (no overflow, nothing allocated).
+
+    Examples
+    --------
+    >>> check_count(3, 4, 100, "too many")
+    81
+    """
+    if base > 1 and power * math.log(base) > math.log(limit) + 1e-9:
+        raise ValueError(f"{message}; limit is {limit}")
+    return base ** power if base > 0 else 0

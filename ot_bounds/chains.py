@@ -11,17 +11,16 @@ or recovered token not counted, as in :func:`~ot_bounds.trees.expected_accepted_
   ``s(w) = sum_x (w p(x) - q(x))_+`` and ``h_i = s(w_i) / (s(w_i) + 1 - w_i)`` for ``i < d``, ``h_d = w_d``,
   the block keeps the first ``tau`` drafts, ``tau`` the last ``i`` whose test passes, so
   ``P(tau >= i | X) = 1 - prod_{j=i}^{d} (1 - h_j)``;
-* **optimum** (:func:`lp_chain_optimal_acceptance`): the largest ``E[tau]`` of any lossless verification
-  that may read the target everywhere: a coupling of the drafted block ``X ~ q^d`` and the first ``d``
-  output tokens ``Y ~ p^d`` maximising the length of their common prefix (a verifier keeps no more drafts
-  than that prefix, so every lossless verifier is below it).
+* **optimum** (:func:`lp_chain_optimal_acceptance`): the largest ``E[tau]`` of any lossless verification, a
+  linear program over what a verifier may do with each drafted block (keep a prefix, emit one token, then
+  decoding goes on from the target); block verification attains it (Sun et al. prove it optimal; the tests
+  check the two agree).
 
-Above all of them the prefix bound (:func:`chain_acceptance_upper_bound`):
-``P(tau >= j) <= P(X_{1:j} = Y_{1:j}) <= beta_j = sum_{x in V^j} min(p^j(x), q^j(x))``, so
-``E[tau] <= sum_j beta_j`` (not attained in general: each ``j`` has its own best coupling).
-``token <= block <= optimum <= prefix bound``, with equality at ``d = 1`` (all four are ``alpha``).
-In this stationary model the LP optimum came out equal to the prefix bound in every case tried (not proven
-here; with laws that depend on the prefix it can be lower), so the prefix bound is the figure to compare with.
+Above them the prefix bound (:func:`chain_acceptance_upper_bound`):
+``P(tau >= j) <= P(X_{1:j} = Y_{1:j}) <= beta_j = sum_{x in V^j} min(p^j(x), q^j(x))`` for the output ``Y``, so
+``E[tau] <= sum_j beta_j``, cheap on any vocabulary but not attained in general: each ``j`` has its own best
+coupling, and a verifier's tokens after the one it emits come fresh from the target.
+``token <= block = optimum <= prefix bound``, with equality at ``d = 1`` (all are ``alpha``).
 
 Exact values enumerate the ``A^d`` drafted blocks over the ``A`` tokens with ``q > 0`` (small vocabularies;
 bounded by :data:`MAX_BLOCKS`); :func:`sample_chain_acceptance` estimates ``token``, ``block`` and the prefix
@@ -41,8 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from ._validation import check_distributions
-from .trees import lp_tree_optimal_acceptance
+
+from ._validation import check_count, check_distributions
+from .trees import enumerate_sequences, lp_tree_optimal_acceptance
 
 #: the chain verifiers whose exact ``E[tau]`` this module computes
 CHAIN_VERIFIERS: tuple[str, ...] = ("token", "block")
@@ -50,8 +50,12 @@ CHAIN_VERIFIERS: tuple[str, ...] = ("token", "block")
 #: most drafted blocks (``A^d``) an exact enumeration visits
 MAX_BLOCKS = 500_000
 
-#: most sampled blocks held at once by :func:`sample_chain_acceptance` (larger requests run in chunks)
-SAMPLE_CHUNK = 65_536
+#: most sampled entries (blocks x depth) held at once by :func:`sample_chain_acceptance` (larger requests run
+#: in chunks)
+SAMPLE_CHUNK = 1_048_576
+
+#: longest chain :func:`sample_chain_acceptance` takes (its chunks hold at least one block)
+MAX_SAMPLED_DEPTH = 4096
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,9 @@ def _check_depth(depth: object) -> int:
     return int(depth)
 
 
-def _check_verifier(verifier: object) -> str:
-    if verifier not in CHAIN_VERIFIERS:
-        raise ValueError(f"unknown chain verifier {verifier!r}; expected one of {CHAIN_VERIFIERS}")
+def _check_verifier(verifier: object, allowed: tuple[str, ...] = CHAIN_VERIFIERS) -> str:
+    if verifier not in allowed:
+        raise ValueError(f"unknown chain verifier {verifier!r}; expected one of {allowed}")
     return str(verifier)
 
 
@@ -114,8 +118,8 @@ def _conditional_tau(ratios: NDArray[np.float64], mass: _ResidualMass, verifier:
         return np.cumprod(np.minimum(ratios, 1.0), axis=1).sum(axis=1)
     h = np.empty((n, d))
     w = np.ones(n)
-    for i in range(d):
-        w = np.minimum(w * ratios[:, i], 1.0)
+    for i in range(d):  # w_i = min(1, w_{i-1} r), 0 * inf read as 0 (a dead block stays dead)
+        w = np.where(w > 0, np.minimum(w * ratios[:, i], 1.0), 0.0)
         if i < d - 1:
             s = mass(w)
             denom = s + 1.0 - w
@@ -129,9 +133,12 @@ def _conditional_tau(ratios: NDArray[np.float64], mass: _ResidualMass, verifier:
 
 
 def _prefix_bound_terms(ratios: NDArray[np.float64]) -> NDArray[np.float64]:
-    """``sum_j min(1, prod_{i <= j} r(X_i))`` per block: its mean under ``q^d`` is ``sum_j beta_j``."""
-    with np.errstate(over="ignore"):
-        return np.minimum(np.cumprod(ratios, axis=1), 1.0).sum(axis=1)
+    """``sum_j min(1, prod_{i <= j} r(X_i))`` per block: its mean under ``q^d`` is ``sum_j beta_j``.
+
+    In log space (a product of large and zero ratios gives 0, never ``inf * 0``)."""
+    with np.errstate(divide="ignore"):
+        logs = np.log(np.minimum(ratios, np.finfo(np.float64).max))  # -inf where r = 0
+    return np.exp(np.minimum(np.cumsum(logs, axis=1), 0.0)).sum(axis=1)
 
 
 def _atoms(pa: NDArray[np.float64], qa: NDArray[np.float64]) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -145,10 +152,9 @@ def _enumerated_blocks(pa: NDArray[np.float64], qa: NDArray[np.float64], depth: 
     """Every drafted block: (its probability under ``q^d`` shape (A^d,), its ratios shape (A^d, d))."""
     q_atoms, r_atoms = _atoms(pa, qa)
     a = q_atoms.size
-    if float(a) ** depth > MAX_BLOCKS:
-        raise ValueError(f"{what} enumerates A**d = {float(a) ** depth:.3g} drafted blocks ({a} tokens with q > 0, "
-                         f"d = {depth}); limit is {MAX_BLOCKS}. Use sample_chain_acceptance for larger ones.")
-    index = np.indices((a,) * depth).reshape(depth, -1).T  # shape (A^d, d), row-major block order
+    check_count(a, depth, MAX_BLOCKS, f"{what} enumerates A**d drafted blocks ({a} tokens with q > 0, d = {depth}); "
+                                       "use sample_chain_acceptance for larger ones")
+    index = enumerate_sequences(np.arange(a), depth)  # shape (A^d, d)
     return np.prod(q_atoms[index], axis=1), r_atoms[index]
 
 
@@ -181,8 +187,8 @@ def chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: str = "bl
     pa, qa = check_distributions(p, q)
     depth, verifier = _check_depth(depth), _check_verifier(verifier)
     if verifier == "token":
-        alpha = float(np.minimum(pa, qa).sum())
-        return float(sum(alpha ** i for i in range(1, depth + 1)))
+        alpha = min(float(np.minimum(pa, qa).sum()), 1.0)
+        return float(depth) if alpha == 1.0 else alpha * (1.0 - alpha ** depth) / (1.0 - alpha)
     weight, ratios = _enumerated_blocks(pa, qa, depth, "chain_acceptance")
     return float(weight @ _conditional_tau(ratios, _ResidualMass(pa, qa), verifier))
 
@@ -206,24 +212,19 @@ def chain_acceptance_upper_bound(p: ArrayLike, q: ArrayLike, depth: int) -> floa
 
 
 def lp_chain_optimal_acceptance(p: ArrayLike, q: ArrayLike, depth: int) -> float:
-    r"""The best :math:`E[\tau]` of any lossless verification of an i.i.d. chain: a transport LP.
+    r"""The best :math:`E[\tau]` of any lossless verification of an i.i.d. chain: a linear program.
 
-    Variables :math:`\pi(x, y) \ge 0` for drafted blocks :math:`x` (:math:`q^d(x) > 0`) and output blocks
-    :math:`y` (:math:`p^d(y) > 0`)::
-
-        maximise   sum_{x, y} pi(x, y) lcp(x, y)
-        subject to sum_y pi(x, y) = q^d(x),   sum_x pi(x, y) = p^d(y)
-
-    with :math:`\mathrm{lcp}` the length of the common prefix: :func:`~ot_bounds.trees.lp_tree_optimal_acceptance`
-    on the chain's shape (at most :data:`~ot_bounds.trees.MAX_LP_VARIABLES` variables).
+    :func:`~ot_bounds.trees.lp_tree_optimal_acceptance` on the chain's shape: over every drafted block, the law of
+    the kept prefix and the one token emitted after it, such that the output (with the target's own tokens after
+    it) has the target's law. Block verification attains it.
 
     Examples
     --------
-    >>> round(lp_chain_optimal_acceptance([0.6, 0.3, 0.1], [0.2, 0.3, 0.5], 2), 6)
-    1.04
+    >>> round(lp_chain_optimal_acceptance([0.6, 0.3, 0.1], [0.2, 0.3, 0.5], 2), 6)  # block's 1.0
+    1.0
     """
     depth = _check_depth(depth)
-    return lp_tree_optimal_acceptance(np.arange(-1, depth - 1), p, q)
+    return lp_tree_optimal_acceptance(np.arange(-1, depth - 1), p, q, what="lp_chain_optimal_acceptance")
 
 
 def sample_chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: str = "block", *,
@@ -240,7 +241,7 @@ def sample_chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: st
         A verifier of :data:`CHAIN_VERIFIERS`, or ``"bound"`` for the prefix bound of
         :func:`chain_acceptance_upper_bound` (the mean of :math:`\sum_j \min(1, \prod_{i \le j} r(X_i))`).
     samples : int
-        Drafted blocks ``X ~ q^d`` to draw (held :data:`SAMPLE_CHUNK` at a time).
+        Drafted blocks ``X ~ q^d`` to draw (held :data:`SAMPLE_CHUNK` entries, blocks x depth, at a time).
     seed : int
         Seed of the ``numpy.random.Generator`` that draws them.
 
@@ -256,18 +257,21 @@ def sample_chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: st
     """
     pa, qa = check_distributions(p, q)
     depth = _check_depth(depth)
-    if verifier != "bound":
-        verifier = _check_verifier(verifier)
+    verifier = _check_verifier(verifier, CHAIN_VERIFIERS + ("bound",))
+    if depth > MAX_SAMPLED_DEPTH:
+        raise ValueError(f"depth {depth} is above the {MAX_SAMPLED_DEPTH} drafts sample_chain_acceptance takes")
     if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or int(samples) < 2:
         raise ValueError(f"samples must be an integer >= 2, got {samples!r}")
-    samples = int(samples)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    samples, rows = int(samples), max(1, SAMPLE_CHUNK // depth)
     q_atoms, r_atoms = _atoms(pa, qa)
     mass = _ResidualMass(pa, qa) if verifier == "block" else None
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(int(seed))
     total = total_sq = 0.0
     left = samples
     while left:
-        n = min(left, SAMPLE_CHUNK)
+        n = min(left, rows)
         ratios = r_atoms[rng.choice(q_atoms.size, size=(n, depth), p=q_atoms / q_atoms.sum())]  # shape (n, d)
         values = _prefix_bound_terms(ratios) if verifier == "bound" else _conditional_tau(ratios, mass, verifier)
         total += float(values.sum())

@@ -23,11 +23,12 @@ where ``E(u)`` is the expected accepted length below ``u``; the recursion of
 this inequality is :func:`tree_acceptance_upper_bound`. Verifiers that judge
 whole paths (block verification on chains, traversal verification on trees)
 accept a child more readily when its subtree agrees with the target, and can
-exceed it (the tests show a case). The bound for every lossless verifier is
-:func:`lp_tree_optimal_acceptance`: a transport LP coupling the drafted tree
-with the target's output, maximising how far the output runs along a path of
-the tree; :func:`tree_acceptance` gives ``rrs``'s and ``traversal``'s exact
-values beside it (small vocabularies).
+exceed it (the tests show a case). The best any lossless verifier can do is
+:func:`lp_tree_optimal_acceptance`, a linear program over what a verifier may do
+with each drafted tree (keep the path to one node, emit one token, then decoding
+goes on from the target); on one level it is ``alpha*(n)``, on a chain block
+verification's value. :func:`tree_acceptance` gives ``rrs``'s and
+``traversal``'s exact values beside it (small vocabularies).
 
 References
 ----------
@@ -42,7 +43,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy import optimize, sparse
 
-from ._validation import check_distributions
+from ._validation import check_count, check_distributions
 from .optimal import optimal_acceptance
 from .verifiers import positional_acceptance
 
@@ -52,8 +53,14 @@ TREE_VERIFIERS: tuple[str, ...] = ("rrs", "traversal")
 #: most drafted trees (``A^N``) an exact enumeration visits
 MAX_TREES = 50_000
 
-#: most coupling variables (drafted trees x output blocks) of :func:`lp_tree_optimal_acceptance`
+#: most entries of the ``[A^N, V]`` traversal states :func:`tree_acceptance` holds at once
+MAX_STATE_ENTRIES = 20_000_000
+
+#: most variables (drafted trees x stopping nodes x emitted tokens) of :func:`lp_tree_optimal_acceptance`
 MAX_LP_VARIABLES = 250_000
+
+#: most entries of its constraint matrix
+MAX_LP_NONZEROS = 5_000_000
 
 
 def check_parents(parents: ArrayLike) -> NDArray[np.int64]:
@@ -198,16 +205,50 @@ def _depths(par: NDArray[np.int64]) -> NDArray[np.int64]:
     return depth
 
 
+def enumerate_sequences(tokens: NDArray[np.int64], length: int) -> NDArray[np.int64]:
+    """Every sequence of ``length`` entries of ``tokens``, in lexicographic order: shape (A**length, length).
+
+    The caller bounds ``A**length`` (:func:`~ot_bounds._validation.check_count`) before calling.
+
+    Examples
+    --------
+    >>> enumerate_sequences(np.array([3, 5]), 2).tolist()
+    [[3, 3], [3, 5], [5, 3], [5, 5]]
+    """
+    a = tokens.size
+    index = np.arange(a ** length)[:, None] // (a ** np.arange(length - 1, -1, -1))[None, :] % max(a, 1)
+    return tokens[index]
+
+
 def _drafted_trees(par: NDArray[np.int64], pa: NDArray[np.float64], qa: NDArray[np.float64],
                    what: str) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
     """Every i.i.d. drafted tree of the shape: (its probability, shape (T,); its tokens, shape (T, N))."""
     atoms = np.flatnonzero(qa > 0)
-    size = float(atoms.size) ** par.size
-    if size > MAX_TREES:
-        raise ValueError(f"{what} enumerates A**N = {size:.3g} drafted trees ({atoms.size} tokens with q > 0, "
-                         f"N = {par.size} nodes); limit is {MAX_TREES}")
-    tokens = atoms[np.indices((atoms.size,) * par.size).reshape(par.size, -1).T]  # shape (T, N)
+    check_count(atoms.size, par.size, MAX_TREES,
+                 f"{what} enumerates A**N drafted trees ({atoms.size} tokens with q > 0, N = {par.size} nodes)")
+    tokens = enumerate_sequences(atoms, par.size)  # shape (T, N)
     return np.prod(qa[tokens], axis=1), tokens
+
+
+def _children(par: NDArray[np.int64]) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(par.tolist()):
+        children.setdefault(parent, []).append(i)
+    return children
+
+
+def _post_order(children: dict[int, list[int]]) -> list[int]:
+    """The drafted nodes in post-order (every child's subtree before the node, siblings in draft order)."""
+    order, stack = [], [(-1, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            if node >= 0:
+                order.append(node)
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children.get(node, [])))
+    return order
 
 
 def _after_rejection(m: NDArray[np.float64], q: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -222,13 +263,11 @@ def _traversal_accepted(par: NDArray[np.int64], tokens: NDArray[np.int64], pa: N
                         qa: NDArray[np.float64]) -> NDArray[np.float64]:
     """Traversal verification's expected accepted length for each drafted tree (tokens shape (T, N)) -> (T,).
 
-    Each node's keep probability ``h_v`` comes from the states ``m`` (module docs of treespec's
-    ``verify/traversal.py`` for the algorithm; written here again from the definition, as ot_bounds stands
-    alone): the path stops at the first node, in post-order, whose test passes."""
+    Each node's keep probability ``h_v`` comes from the states ``m`` (the algorithm of treespec's
+    ``verify/traversal.py``, written here again from its definition, as ot_bounds stands alone): the path
+    stops at the first node, in post-order, whose test passes."""
     t, n = tokens.shape
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(par.tolist()):
-        children.setdefault(parent, []).append(i)
+    children = _children(par)
     alpha = np.ones((t, n))  # alpha_v as each node starts
     hold = np.empty((t, n))  # h_v
     q_row = qa[None, :]
@@ -246,19 +285,10 @@ def _traversal_accepted(par: NDArray[np.int64], tokens: NDArray[np.int64], pa: N
             m = _after_rejection(m, q_row)
         if v >= 0:
             hold[:, v] = np.clip(m.sum(axis=1), 0.0, 1.0)
-    order: list[int] = []  # post-order of the drafted nodes (the root, last, always passes)
-
-    def visit(v: int) -> None:
-        for c in children.get(v, []):
-            visit(c)
-        if v >= 0:
-            order.append(v)
-
-    visit(-1)
     depth = _depths(par)
-    fail = np.ones(t)  # every earlier test failed
+    fail = np.ones(t)  # every earlier test failed (the root, last in post-order, always passes)
     accepted = np.zeros(t)
-    for v in order:
+    for v in _post_order(children):
         accepted += fail * hold[:, v] * depth[v]
         fail = fail * (1.0 - hold[:, v])
     return accepted
@@ -275,8 +305,8 @@ def tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, verifier: st
         Target and draft distributions.
     verifier : {"rrs", "traversal"}
         Recursive rejection sampling, node by node (Sequoia's positional model, exact here), or traversal
-        verification (enumeration of the ``A^N`` drafted trees over the ``A`` tokens with ``q > 0``, at most
-        :data:`MAX_TREES`).
+        verification (enumeration of the ``A^N`` drafted trees over the ``A`` tokens with ``q > 0``: at most
+        :data:`MAX_TREES` trees and :data:`MAX_STATE_ENTRIES` entries of their ``[A^N, V]`` states).
 
     Returns
     -------
@@ -300,59 +330,85 @@ def tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, verifier: st
     if verifier == "rrs":
         width = int(np.bincount(par + 1).max())
         return expected_accepted_length(par, positional_acceptance(pa, qa, width, "rrs"))
+    trees = check_count(int(np.count_nonzero(qa > 0)), par.size, MAX_TREES,
+                         f"tree_acceptance enumerates A**N drafted trees ({np.count_nonzero(qa > 0)} tokens with "
+                         f"q > 0, N = {par.size} nodes)")
+    if trees * pa.size > MAX_STATE_ENTRIES:
+        raise ValueError(f"tree_acceptance holds [trees, V] states of {trees * pa.size:.3g} entries "
+                         f"({trees} drafted trees, V = {pa.size}); limit is {MAX_STATE_ENTRIES}")
     weight, tokens = _drafted_trees(par, pa, qa, "tree_acceptance")
     return float(weight @ _traversal_accepted(par, tokens, pa, qa))
 
 
-def lp_tree_optimal_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike) -> float:
-    r"""The best expected accepted length of any lossless verifier of an i.i.d. drafted tree: a transport LP.
+def lp_tree_optimal_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, *,
+                               what: str = "lp_tree_optimal_acceptance") -> float:
+    r"""The best expected accepted length of any lossless verifier of an i.i.d. drafted tree: a linear program.
 
-    Variables :math:`\pi(t, y) \ge 0` for drafted trees :math:`t` (i.i.d. children from ``q``, the same
-    ``p`` and ``q`` at every node) and output blocks :math:`y \in V^D` (``D`` the tree's depth, law
-    :math:`p^D`)::
+    A verifier sees the drafted tree :math:`t` (law :math:`Q(t)`: i.i.d. children from ``q``, the same ``p`` and
+    ``q`` at every node), keeps the path to one node :math:`v` and emits one more token :math:`z`, after which
+    decoding goes on from the target. Its law is :math:`\pi(t, v, z) \ge 0` with :math:`\sum_{v, z} \pi(t, v, z)
+    = Q(t)`; it is lossless when the output's first :math:`L = D + 1` tokens (``D`` the tree's depth; the
+    path, ``z``, then fresh target tokens) have the target's law::
 
-        maximise   sum_{t, y} pi(t, y) reach(t, y)
-        subject to sum_y pi(t, y) = Q(t),   sum_t pi(t, y) = p^D(y)
+        sum_{t, v, z: (path_t(v), z) prefix of y} pi(t, v, z) p^{L - |v| - 1}(rest of y) = p^L(y)   for all y in V^L
 
-    where ``reach(t, y)`` is the length of the longest prefix of ``y`` that is a root-to-node path of ``t``: a
-    verifier accepts no more than that, so this bounds every lossless verifier (token-level, block, traversal),
-    with full knowledge of ``p``. At most :data:`MAX_LP_VARIABLES` variables. Solved with
+    and the program maximises :math:`\sum \pi(t, v, z) |v|`. On a chain its value is block verification's (which
+    is optimal among all lossless verifications of a chain, arXiv 2403.10444); on a tree it bounds traversal
+    verification and every other. Sizes: at most :data:`MAX_LP_VARIABLES` variables (``A^N (N + 1) V``) and
+    :data:`MAX_LP_NONZEROS` constraint entries, checked before anything is built. Solved with
     ``scipy.optimize.linprog(method="highs")``.
 
     Examples
     --------
-    >>> round(lp_tree_optimal_acceptance([-1, 0, 0], [0.6, 0.3, 0.1], [0.2, 0.3, 0.5]), 6)
-    1.128
+    >>> round(lp_tree_optimal_acceptance([-1, 0], [0.6, 0.3, 0.1], [0.2, 0.3, 0.5]), 6)  # block's 1.0
+    1.0
     """
     par = check_parents(parents)
     pa, qa = check_distributions(p, q)
     if par.size == 0:
         return 0.0
+    v_size, n = pa.size, par.size
     depth = _depths(par)
-    big_d = int(depth.max())
-    outputs = np.flatnonzero(pa > 0)
-    n_trees, n_out = float(np.count_nonzero(qa > 0)) ** par.size, float(outputs.size) ** big_d
-    if n_trees * n_out > MAX_LP_VARIABLES:
-        raise ValueError(f"lp_tree_optimal_acceptance needs {n_trees * n_out:.3g} coupling variables "
-                         f"({n_trees:.3g} drafted trees x {n_out:.3g} output blocks); limit is {MAX_LP_VARIABLES}")
-    weight, tokens = _drafted_trees(par, pa, qa, "lp_tree_optimal_acceptance")  # shape (T,), (T, N)
-    y = outputs[np.indices((outputs.size,) * big_d).reshape(big_d, -1).T]  # shape (Y, D)
-    p_y = np.prod(pa[y], axis=1)  # shape (Y,)
-    reach = np.zeros((weight.size, p_y.size))  # shape (T, Y)
-    for v in range(par.size):
-        path = [v]
-        while par[path[-1]] >= 0:
-            path.append(int(par[path[-1]]))
-        path = path[::-1]  # root child .. v
-        on_path = (tokens[:, path][:, None, :] == y[None, :, :len(path)]).all(axis=2)  # shape (T, Y)
-        reach = np.maximum(reach, on_path * float(len(path)))
-    n_t, n_y = weight.size, p_y.size
-    cols = np.arange(n_t * n_y)
-    a_eq = sparse.csr_matrix((np.ones(2 * cols.size), (np.concatenate((cols // n_y, n_t + cols % n_y)),
-                                                       np.concatenate((cols, cols)))), shape=(n_t + n_y, n_t * n_y))
-    # both marginals sum to 1, so one equality is implied: drop the last (rounding could make it infeasible)
-    b_eq = np.concatenate((weight / weight.sum(), p_y / p_y.sum()))
-    res = optimize.linprog(-reach.ravel(), A_eq=a_eq[:-1], b_eq=b_eq[:-1], bounds=(0, None), method="highs")
+    length = int(depth.max()) + 1
+    trees = check_count(int(np.count_nonzero(qa > 0)), n, MAX_LP_VARIABLES,
+                         f"{what} enumerates A**N drafted trees ({np.count_nonzero(qa > 0)} tokens with q > 0, "
+                         f"N = {n} nodes)")
+    outputs = check_count(v_size, length, MAX_LP_VARIABLES,
+                           f"{what} constrains V**(D + 1) output sequences (V = {v_size}, D = {length - 1})")
+    n_var = trees * (n + 1) * v_size
+    # each variable of a node at depth d touches V**(L - d - 1) output rows
+    nonzeros = trees * v_size * sum(v_size ** (length - 1 - d) for d in [0, *depth.tolist()])
+    if n_var > MAX_LP_VARIABLES or nonzeros > MAX_LP_NONZEROS:
+        raise ValueError(f"{what} needs {n_var:.3g} variables and {nonzeros:.3g} constraint entries "
+                         f"({trees} drafted trees, {n + 1} stopping nodes, V = {v_size}); limits are "
+                         f"{MAX_LP_VARIABLES} and {MAX_LP_NONZEROS}")
+    weight, tokens = _drafted_trees(par, pa, qa, what)  # shape (T,), (T, N)
+    # a sequence s of m tokens is the block of output rows [code(s) V^(L-m), (code(s) + 1) V^(L-m)) (first token
+    # most significant); inside it, row r has the fresh tokens' probability suffix_prob[L - m][r]
+    suffix_prob = {k: np.prod(pa[enumerate_sequences(np.arange(v_size), k)], axis=1) for k in range(length)}
+    rows, cols, vals = [], [], []
+    path_code = {-1: np.zeros(trees, dtype=np.int64)}  # code of the path to each node, per tree
+    for v in range(n):
+        path_code[v] = path_code[int(par[v])] * v_size + tokens[:, v]
+    z = np.arange(v_size)
+    for slot, v in enumerate([-1, *range(n)]):  # slot 0: stop at the root
+        d = 0 if v < 0 else int(depth[v])
+        k = length - d - 1  # fresh target tokens after z
+        seq = path_code[v][:, None] * v_size + z[None, :]  # shape (T, V): code of (path, z)
+        start = seq * v_size ** k  # shape (T, V)
+        var = (np.arange(trees)[:, None] * (n + 1) + slot) * v_size + z[None, :]  # shape (T, V)
+        rows.append((start[:, :, None] + np.arange(v_size ** k)[None, None, :]).ravel())
+        cols.append(np.repeat(var.ravel(), v_size ** k))
+        vals.append(np.tile(suffix_prob[k], trees * v_size))
+    tree_rows = outputs + np.repeat(np.arange(trees), (n + 1) * v_size)
+    a_eq = sparse.csr_matrix((np.concatenate([*vals, np.ones(n_var)]),
+                              (np.concatenate([*rows, tree_rows]), np.concatenate([*cols, np.arange(n_var)]))),
+                             shape=(outputs + trees, n_var))
+    p_out = np.prod(pa[enumerate_sequences(np.arange(v_size), length)], axis=1)  # shape (V^L,)
+    b_eq = np.concatenate((p_out / p_out.sum(), weight / weight.sum()))
+    gain = np.tile(np.repeat(np.concatenate(([0.0], depth.astype(np.float64))), v_size), trees)  # |v| per variable
+    # both sides sum to 1, so one equality is implied: drop the last (rounding could make it infeasible)
+    res = optimize.linprog(-gain, A_eq=a_eq[:-1], b_eq=b_eq[:-1], bounds=(0, None), method="highs")
     if res.status != 0:
-        raise RuntimeError(f"lp_tree_optimal_acceptance: the LP solver failed ({res.message})")
+        raise RuntimeError(f"{what}: the LP solver failed ({res.message})")
     return float(-res.fun)

@@ -2,8 +2,9 @@
 
 References: ot_bounds' traversal (numpy, written from the definition) against treespec's own traversal verifier
 (torch), enumerated over every drafted tree; on chains against block verification (ot_bounds.chains); on one-level
-trees against recursive rejection sampling; the LP bound against both. The node-local bound of
-``tree_acceptance_upper_bound`` is shown to be exceeded by a verifier that looks below a node.
+trees against recursive rejection sampling. The LP optimum against ``optimal_acceptance`` on one level and block
+verification on chains. The node-local bound of ``tree_acceptance_upper_bound`` is shown to be exceeded by a
+verifier that looks below a node.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ot_bounds import (
     chain_acceptance,
+    optimal_acceptance,
     lp_tree_optimal_acceptance,
     optimal_node_acceptance,
     tree_acceptance,
@@ -86,22 +88,42 @@ def test_special_cases_and_ordering():
             assert rrs <= trav + 1e-12 and trav <= lp_tree_optimal_acceptance(parents, p, q) + 1e-7
 
 
+def test_the_optimum_on_one_level_and_on_chains():
+    """The LP optimum is alpha*(n) of the OT dual on one level and block verification's value on a chain (10 seeded
+    random pairs each)."""
+    rng = np.random.default_rng(6)
+    for _ in range(10):
+        v, n = int(rng.integers(2, 5)), int(rng.integers(1, 4))
+        p, q = random_pair(rng, v, zeros=False)
+        assert lp_tree_optimal_acceptance([-1] * n, p, q) == pytest.approx(optimal_acceptance(p, q, n, "iid"), abs=1e-7)
+        assert lp_tree_optimal_acceptance(list(range(-1, n - 1)), p, q) == pytest.approx(
+            chain_acceptance(p, q, n, "block"), abs=1e-7)
+
+
+def test_a_deep_chain_with_one_draftable_token():
+    """q a point mass, 300 nodes: one drafted tree, traversal's post-order without recursion limits."""
+    value = tree_acceptance(list(range(-1, 299)), [0.5, 0.5], [1.0, 0.0])
+    assert value == pytest.approx(chain_acceptance([0.5, 0.5], [1.0, 0.0], 300, "block"))
+
+
 def test_the_node_local_bound_does_not_hold_for_path_verifiers():
     """p = (0.6, 0.3, 0.1), q = (0.2, 0.3, 0.5), a chain of two: the node-local bound is token-level's 0.96,
-    block (= traversal) verification keeps 1.0, the LP bound of every lossless verifier is 1.04."""
+    block (= traversal) verification keeps 1.0, the optimum of every lossless verifier."""
     p, q = [0.6, 0.3, 0.1], [0.2, 0.3, 0.5]
     node_local = tree_acceptance_upper_bound([-1, 0], optimal_node_acceptance(p, q, 1))
     assert node_local == pytest.approx(0.96)
     block = tree_acceptance([-1, 0], p, q)
     assert block == pytest.approx(1.0) and block > node_local + 0.03
-    assert lp_tree_optimal_acceptance([-1, 0], p, q) == pytest.approx(1.04)
+    assert lp_tree_optimal_acceptance([-1, 0], p, q) == pytest.approx(1.0, abs=1e-7)
     assert tree_acceptance([-1, 0], p, q, "rrs") <= node_local + 1e-12  # a node rule stays below it
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: tree_acceptance([-1, 0], [0.5, 0.5], [0.5, 0.5], "kseq"), "unknown tree verifier"),
     (lambda: tree_acceptance([-1] * 12, np.ones(4) / 4, np.ones(4) / 4), "drafted trees"),
-    (lambda: lp_tree_optimal_acceptance([-1, 0, 1, 2], np.ones(8) / 8, np.ones(8) / 8), "coupling variables"),
+    (lambda: lp_tree_optimal_acceptance([-1, 0, 1, 2], np.ones(8) / 8, np.ones(8) / 8), "variables"),
+    (lambda: tree_acceptance([-1], np.ones(50_000) / 50_000, np.ones(50_000) / 50_000), "states of"),
+    (lambda: tree_acceptance([-1] * 400, np.ones(10) / 10, np.ones(10) / 10), "limit is"),
     (lambda: tree_acceptance([0], [0.5, 0.5], [0.5, 0.5]), "parents"),
 ])
 def test_bad_input(call, match):
