@@ -19,7 +19,8 @@ expected_accepted_length,
 tree_acceptance_upper_bound,
 optimal_node_acceptance                  tree level (Sequoia's F(T) and its node-local OT bound)
 tree_acceptance,
-lp_tree_optimal_acceptance               rrs and traversal exactly; the optimum of every lossless verifier
+lp_tree_optimal_acceptance,
+sample_tree_acceptance                   rrs and traversal exactly (sampled on any vocabulary); the optimum
 chain_acceptance,
 chain_acceptance_upper_bound,
 lp_chain_optimal_acceptance,
@@ -42,7 +43,6 @@ Chen et al., "Sequoia", arXiv:2402.12374.
 from .brute_force import brute_force_optimal_acceptance
 from .chains import (
     CHAIN_VERIFIERS,
-    SampledChainAcceptance,
     chain_acceptance,
     chain_acceptance_upper_bound,
     lp_chain_optimal_acceptance,
@@ -54,10 +54,12 @@ from .lp import LPResult, lp_optimal_acceptance
 from .optimal import OptimalAcceptance, optimal_acceptance, optimal_subset
 from .trees import (
     TREE_VERIFIERS,
+    SampledAcceptance,
     child_ranks,
     expected_accepted_length,
     lp_tree_optimal_acceptance,
     optimal_node_acceptance,
+    sample_tree_acceptance,
     tree_acceptance,
     tree_acceptance_upper_bound,
 )
@@ -82,7 +84,7 @@ __all__ = [
     "FlowResult",
     "LPResult",
     "OptimalAcceptance",
-    "SampledChainAcceptance",
+    "SampledAcceptance",
     "TupleLaw",
     "VerifierOutcome",
     "brute_force_optimal_acceptance",
@@ -102,6 +104,7 @@ __all__ = [
     "prob_all_drafts_in",
     "release_workspace",
     "sample_chain_acceptance",
+    "sample_tree_acceptance",
     "tree_acceptance",
     "tree_acceptance_upper_bound",
     "verifier_acceptance",

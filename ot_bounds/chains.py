@@ -36,13 +36,18 @@ Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Dec
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._validation import check_count, check_distributions
-from .trees import enumerate_sequences, lp_tree_optimal_acceptance
+from .trees import (
+    SampledAcceptance,
+    check_samples_and_seed,
+    enumerate_sequences,
+    lp_tree_optimal_acceptance,
+    sampled_mean,
+)
 
 #: the chain verifiers whose exact ``E[tau]`` this module computes
 CHAIN_VERIFIERS: tuple[str, ...] = ("token", "block")
@@ -56,25 +61,6 @@ SAMPLE_CHUNK = 1_048_576
 
 #: longest chain :func:`sample_chain_acceptance` takes (its chunks hold at least one block)
 MAX_SAMPLED_DEPTH = 4096
-
-
-@dataclass(frozen=True)
-class SampledChainAcceptance:
-    """A Monte Carlo estimate of a chain's ``E[tau]``.
-
-    Attributes
-    ----------
-    mean : float
-        Mean over the sampled blocks of the exact ``E[tau | X]`` (an unbiased estimate of ``E[tau]``).
-    stderr : float
-        Standard error of ``mean`` (sample standard deviation / sqrt(samples)).
-    samples : int
-        Number of drafted blocks sampled.
-    """
-
-    mean: float
-    stderr: float
-    samples: int
 
 
 def _check_depth(depth: object) -> int:
@@ -228,7 +214,7 @@ def lp_chain_optimal_acceptance(p: ArrayLike, q: ArrayLike, depth: int) -> float
 
 
 def sample_chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: str = "block", *,
-                            samples: int = 100_000, seed: int = 0) -> SampledChainAcceptance:
+                            samples: int = 100_000, seed: int = 0) -> SampledAcceptance:
     r"""Estimate a chain's :math:`E[\tau]` on any vocabulary: the mean of :math:`E[\tau \mid X]` over sampled blocks.
 
     Parameters
@@ -247,7 +233,7 @@ def sample_chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: st
 
     Returns
     -------
-    SampledChainAcceptance
+    SampledAcceptance
 
     Examples
     --------
@@ -260,23 +246,15 @@ def sample_chain_acceptance(p: ArrayLike, q: ArrayLike, depth: int, verifier: st
     verifier = _check_verifier(verifier, CHAIN_VERIFIERS + ("bound",))
     if depth > MAX_SAMPLED_DEPTH:
         raise ValueError(f"depth {depth} is above the {MAX_SAMPLED_DEPTH} drafts sample_chain_acceptance takes")
-    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or int(samples) < 2:
-        raise ValueError(f"samples must be an integer >= 2, got {samples!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    samples, rows = int(samples), max(1, SAMPLE_CHUNK // depth)
+    samples, seed = check_samples_and_seed(samples, seed)
+    rows = max(1, SAMPLE_CHUNK // depth)
     q_atoms, r_atoms = _atoms(pa, qa)
     mass = _ResidualMass(pa, qa) if verifier == "block" else None
-    rng = np.random.default_rng(int(seed))
-    total = total_sq = 0.0
-    left = samples
+    rng = np.random.default_rng(seed)
+    values, left = [], samples
     while left:
         n = min(left, rows)
         ratios = r_atoms[rng.choice(q_atoms.size, size=(n, depth), p=q_atoms / q_atoms.sum())]  # shape (n, d)
-        values = _prefix_bound_terms(ratios) if verifier == "bound" else _conditional_tau(ratios, mass, verifier)
-        total += float(values.sum())
-        total_sq += float((values * values).sum())
+        values.append(_prefix_bound_terms(ratios) if verifier == "bound" else _conditional_tau(ratios, mass, verifier))
         left -= n
-    mean = total / samples
-    var = max(total_sq / samples - mean * mean, 0.0) * samples / (samples - 1)
-    return SampledChainAcceptance(mean=mean, stderr=float(np.sqrt(var / samples)), samples=samples)
+    return sampled_mean(values)

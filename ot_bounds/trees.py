@@ -39,6 +39,9 @@ Weng et al., "Traversal Verification for Speculative Tree Decoding", arXiv:2505.
 
 from __future__ import annotations
 
+import numbers
+from dataclasses import dataclass
+
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy import optimize, sparse
@@ -61,6 +64,41 @@ MAX_LP_VARIABLES = 250_000
 
 #: most entries of its constraint matrix
 MAX_LP_NONZEROS = 5_000_000
+
+
+@dataclass(frozen=True)
+class SampledAcceptance:
+    """A Monte Carlo estimate of an expected accepted length.
+
+    Attributes
+    ----------
+    mean : float
+        Mean over the sampled drafts (blocks or trees) of the exact expected accepted length given them (an
+        unbiased estimate).
+    stderr : float
+        Standard error of ``mean`` (sample standard deviation / sqrt(samples)).
+    samples : int
+        Number of drafts sampled.
+    """
+
+    mean: float
+    stderr: float
+    samples: int
+
+
+def check_samples_and_seed(samples: object, seed: object) -> tuple[int, int]:
+    """Validate a sample count (an integer >= 2) and a seed (a non-negative integer)."""
+    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or int(samples) < 2:
+        raise ValueError(f"samples must be an integer >= 2, got {samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return int(samples), int(seed)
+
+
+def sampled_mean(values: list[NDArray[np.float64]]) -> SampledAcceptance:
+    """Mean and standard error of the per-draft values (chunks of one sample)."""
+    x = np.concatenate(values)
+    return SampledAcceptance(mean=float(x.mean()), stderr=float(x.std(ddof=1) / np.sqrt(x.size)), samples=int(x.size))
 
 
 def check_parents(parents: ArrayLike) -> NDArray[np.int64]:
@@ -251,6 +289,17 @@ def _post_order(children: dict[int, list[int]]) -> list[int]:
     return order
 
 
+def _lump_undrafted(pa: NDArray[np.float64], qa: NDArray[np.float64]) -> tuple[NDArray[np.float64],
+                                                                             NDArray[np.float64]]:
+    """(p, q) over the ``A`` tokens with ``q > 0`` and one entry more holding the target mass of the others.
+
+    Traversal's states see a token the draft never proposes only through its share of ``m`` (``q = 0`` there:
+    ``(m - q)_+ = m``, ``min(m, q) = 0``), so lumping those tokens changes no sum: the same value with states of
+    ``A + 1`` entries instead of ``V``. Drafted token ``i`` (the ``i``-th with ``q > 0``) is entry ``i``."""
+    drafted = qa > 0
+    return np.append(pa[drafted], pa[~drafted].sum()), np.append(qa[drafted], 0.0)
+
+
 def _after_rejection(m: NDArray[np.float64], q: NDArray[np.float64]) -> NDArray[np.float64]:
     """Traversal's state once a child's subtree was rejected: ``(m - q)_+ / (1 - sum(min(m, q)))``, per row."""
     residual = np.maximum(m - q, 0.0)  # shape (T, V)
@@ -330,14 +379,48 @@ def tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, verifier: st
     if verifier == "rrs":
         width = int(np.bincount(par + 1).max())
         return expected_accepted_length(par, positional_acceptance(pa, qa, width, "rrs"))
-    trees = check_count(int(np.count_nonzero(qa > 0)), par.size, MAX_TREES,
-                         f"tree_acceptance enumerates A**N drafted trees ({np.count_nonzero(qa > 0)} tokens with "
-                         f"q > 0, N = {par.size} nodes)")
-    if trees * pa.size > MAX_STATE_ENTRIES:
-        raise ValueError(f"tree_acceptance holds [trees, V] states of {trees * pa.size:.3g} entries "
-                         f"({trees} drafted trees, V = {pa.size}); limit is {MAX_STATE_ENTRIES}")
-    weight, tokens = _drafted_trees(par, pa, qa, "tree_acceptance")
-    return float(weight @ _traversal_accepted(par, tokens, pa, qa))
+    p_l, q_l = _lump_undrafted(pa, qa)
+    trees = check_count(q_l.size - 1, par.size, MAX_TREES,
+                        f"tree_acceptance enumerates A**N drafted trees ({q_l.size - 1} tokens with q > 0, "
+                        f"N = {par.size} nodes); use sample_tree_acceptance for larger ones")
+    if trees * q_l.size > MAX_STATE_ENTRIES:
+        raise ValueError(f"tree_acceptance holds [trees, A + 1] states of {trees * q_l.size:.3g} entries "
+                         f"({trees} drafted trees, A = {q_l.size - 1}); limit is {MAX_STATE_ENTRIES}")
+    weight, tokens = _drafted_trees(par, p_l, q_l, "tree_acceptance")
+    return float(weight @ _traversal_accepted(par, tokens, p_l, q_l))
+
+
+def sample_tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, *, samples: int = 10_000,
+                           seed: int = 0) -> SampledAcceptance:
+    """Estimate traversal verification's expected accepted length on any vocabulary.
+
+    The mean, over trees drafted i.i.d. from ``q`` with a seeded ``numpy.random.Generator``, of the exact
+    expected accepted length given each tree (:func:`tree_acceptance`'s per-tree value); the tokens ``q`` never
+    proposes are lumped into one entry (exact), and the states are held :data:`MAX_STATE_ENTRIES` entries at
+    a time.
+
+    Examples
+    --------
+    >>> p, q = [0.6, 0.3, 0.1], [0.2, 0.3, 0.5]
+    >>> est = sample_tree_acceptance([-1, 0, 0], p, q, samples=20_000, seed=0)
+    >>> abs(est.mean - tree_acceptance([-1, 0, 0], p, q)) < 4 * est.stderr
+    True
+    """
+    par = check_parents(parents)
+    pa, qa = check_distributions(p, q)
+    samples, seed = check_samples_and_seed(samples, seed)
+    if par.size == 0:
+        return SampledAcceptance(mean=0.0, stderr=0.0, samples=samples)
+    p_l, q_l = _lump_undrafted(pa, qa)
+    rows = max(1, MAX_STATE_ENTRIES // (q_l.size * max(1, par.size // 4)))
+    rng = np.random.default_rng(seed)
+    values, left = [], samples
+    while left:
+        n = min(left, rows)
+        tokens = rng.choice(q_l.size - 1, size=(n, par.size), p=q_l[:-1] / q_l[:-1].sum())  # shape (n, N)
+        values.append(_traversal_accepted(par, tokens, p_l, q_l))
+        left -= n
+    return sampled_mean(values)
 
 
 def lp_tree_optimal_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, *,

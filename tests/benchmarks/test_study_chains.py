@@ -42,3 +42,25 @@ def test_summary_and_table():
                 "seed": 0, "samples": 500}
     table = markdown(summary, settings)
     assert "| 0.7 | 2 |" in table and f"{cell['block']['mean']:.4f}" in table
+
+
+def test_tree_part():
+    """widths (2, 1): parents; a position's rrs is exact, traversal within 4 standard errors of its exact value
+    (seed 5, 5,000 trees); the summary and its table."""
+    from benchmarks.study_chains import evaluate_tree, markdown_trees, summarise_trees, widths_parents
+    from ot_bounds import tree_acceptance
+
+    parents = widths_parents([2, 1])
+    assert parents == [-1, -1, 0, 1]
+    rng = np.random.default_rng(2)
+    p, q = rng.dirichlet(np.ones(4)), rng.dirichlet(np.ones(4))
+    got = evaluate_tree(p, q, parents, samples=5_000, seed=5)
+    assert got["rrs"] == pytest.approx(tree_acceptance(parents, p, q, "rrs"))
+    from ot_bounds import sample_tree_acceptance
+    se = sample_tree_acceptance(parents, p, q, samples=5_000, seed=5).stderr
+    assert abs(got["traversal"] - tree_acceptance(parents, p, q)) < 4 * se
+    summary = summarise_trees([{0.7: got}, {0.7: got}], [0.7])
+    assert summary["T=0.7"]["positions"] == 2 and summary["T=0.7"]["rrs"]["mean"] == pytest.approx(got["rrs"])
+    table = "\n".join(markdown_trees(summary, {"tree_widths": [2, 1], "tree_parents": parents, "tree_every": 8,
+                                               "tree_samples": 5000}))
+    assert f"{got['traversal']:.4f}" in table
