@@ -20,7 +20,7 @@ tree_acceptance_upper_bound,
 optimal_node_acceptance                  tree level (Sequoia's F(T) and its node-local OT bound)
 tree_acceptance,
 lp_tree_optimal_acceptance,
-sample_tree_acceptance                   rrs and traversal exactly (sampled on any vocabulary); the optimum
+sample_tree_acceptance                   rrs and traversal exactly, traversal sampled; the optimum (LP)
 chain_acceptance,
 chain_acceptance_upper_bound,
 lp_chain_optimal_acceptance,

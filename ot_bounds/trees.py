@@ -27,8 +27,9 @@ exceed it (the tests show a case). The best any lossless verifier can do is
 :func:`lp_tree_optimal_acceptance`, a linear program over what a verifier may do
 with each drafted tree (keep the path to one node, emit one token, then decoding
 goes on from the target); on one level it is ``alpha*(n)``, on a chain block
-verification's value. :func:`tree_acceptance` gives ``rrs``'s and
-``traversal``'s exact values beside it (small vocabularies).
+verification's value (small vocabularies). :func:`tree_acceptance` gives
+``rrs``'s and ``traversal``'s exact values beside it (traversal: few tokens
+with ``q > 0``), :func:`sample_tree_acceptance` traversal's on any draft.
 
 References
 ----------
@@ -56,7 +57,9 @@ TREE_VERIFIERS: tuple[str, ...] = ("rrs", "traversal")
 #: most drafted trees (``A^N``) an exact enumeration visits
 MAX_TREES = 50_000
 
-#: most entries of the ``[A^N, V]`` traversal states :func:`tree_acceptance` holds at once
+#: most entries of one ``[trees, A + 1]`` traversal state array (``A`` tokens with ``q > 0``): the bound of
+#: :func:`tree_acceptance`'s enumeration; :func:`sample_tree_acceptance` sizes its chunks so that the few arrays
+#: live at once stay within it
 MAX_STATE_ENTRIES = 20_000_000
 
 #: most variables (drafted trees x stopping nodes x emitted tokens) of :func:`lp_tree_optimal_acceptance`
@@ -355,7 +358,8 @@ def tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, verifier: st
     verifier : {"rrs", "traversal"}
         Recursive rejection sampling, node by node (Sequoia's positional model, exact here), or traversal
         verification (enumeration of the ``A^N`` drafted trees over the ``A`` tokens with ``q > 0``: at most
-        :data:`MAX_TREES` trees and :data:`MAX_STATE_ENTRIES` entries of their ``[A^N, V]`` states).
+        :data:`MAX_TREES` trees and :data:`MAX_STATE_ENTRIES` entries of their ``[A^N, A + 1]`` states; any
+        vocabulary size, since the tokens ``q`` never proposes are lumped into one entry).
 
     Returns
     -------
@@ -392,12 +396,25 @@ def tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, verifier: st
 
 def sample_tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, *, samples: int = 10_000,
                            seed: int = 0) -> SampledAcceptance:
-    """Estimate traversal verification's expected accepted length on any vocabulary.
+    """Estimate traversal verification's expected accepted length for many tokens with ``q > 0``.
 
-    The mean, over trees drafted i.i.d. from ``q`` with a seeded ``numpy.random.Generator``, of the exact
-    expected accepted length given each tree (:func:`tree_acceptance`'s per-tree value); the tokens ``q`` never
-    proposes are lumped into one entry (exact), and the states are held :data:`MAX_STATE_ENTRIES` entries at
-    a time.
+    Parameters
+    ----------
+    parents : array_like of int, shape (N,)
+        Parent array (see module docs).
+    p, q : array_like, shape (V,)
+        Target and draft distributions (the same at every node).
+    samples : int
+        Trees drafted i.i.d. from ``q`` (a ``numpy.random.Generator`` seeded with ``seed``), in chunks whose
+        arrays stay within :data:`MAX_STATE_ENTRIES` entries together (the same draws whatever the chunk size).
+    seed : int
+        The generator's seed.
+
+    Returns
+    -------
+    SampledAcceptance
+        The mean over the sampled trees of the exact expected accepted length given each (the per-tree value
+        of :func:`tree_acceptance`; the tokens ``q`` never proposes lumped into one entry, exact).
 
     Examples
     --------
@@ -412,7 +429,7 @@ def sample_tree_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, *, sa
     if par.size == 0:
         return SampledAcceptance(mean=0.0, stderr=0.0, samples=samples)
     p_l, q_l = _lump_undrafted(pa, qa)
-    rows = max(1, MAX_STATE_ENTRIES // (q_l.size * max(1, par.size // 4)))
+    rows = max(1, MAX_STATE_ENTRIES // (4 * (q_l.size + par.size)))  # ~4 [rows, A + 1] states, [rows, N] arrays
     rng = np.random.default_rng(seed)
     values, left = [], samples
     while left:
@@ -438,7 +455,7 @@ def lp_tree_optimal_acceptance(parents: ArrayLike, p: ArrayLike, q: ArrayLike, *
     and the program maximises :math:`\sum \pi(t, v, z) |v|`. On a chain its value is block verification's (which
     is optimal among all lossless verifications of a chain, arXiv 2403.10444); on a tree it bounds traversal
     verification and every other. Sizes: at most :data:`MAX_LP_VARIABLES` variables (``A^N (N + 1) V``) and
-    :data:`MAX_LP_NONZEROS` constraint entries, checked before anything is built. Solved with
+    output rows (``V^(D + 1)``) and :data:`MAX_LP_NONZEROS` constraint entries, checked before anything is built. Solved with
     ``scipy.optimize.linprog(method="highs")``.
 
     Examples

@@ -171,3 +171,15 @@ def test_sampled_traversal_on_a_full_vocabulary():
 def test_sampled_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sample_tree_acceptance([-1, 0], [0.5, 0.5], [0.5, 0.5], **kwargs)
+
+
+def test_chunks_do_not_change_the_estimate(monkeypatch):
+    """The same seed gives the same draws whatever the chunk size: 3,000 trees in one chunk or in chunks of a few
+    rows (MAX_STATE_ENTRIES shrunk) give bit-identical estimates, and both agree with the exact value."""
+    p, q = random_pair(np.random.default_rng(11), 3, False)
+    exact = tree_acceptance(SHAPES["2-2"], p, q)
+    whole = sample_tree_acceptance(SHAPES["2-2"], p, q, samples=3_000, seed=7)
+    monkeypatch.setattr(trees, "MAX_STATE_ENTRIES", 400)  # 400 // (4 * (4 + 6)) = 10 trees a chunk
+    chunked = sample_tree_acceptance(SHAPES["2-2"], p, q, samples=3_000, seed=7)
+    assert (chunked.mean, chunked.stderr) == (whole.mean, whole.stderr)
+    assert abs(whole.mean - exact) < 4 * whole.stderr
