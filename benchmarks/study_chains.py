@@ -63,6 +63,12 @@ def evaluate_position(p: np.ndarray, q: np.ndarray, depths: list[int], samples: 
 TREE_COLUMNS = ("rrs", "traversal", "node_local_bound", "traversal_minus_rrs")
 
 
+def _mean_stderr(values: np.ndarray) -> dict:
+    """Mean over positions and its standard error (0 for one position)."""
+    n = values.size
+    return {"mean": float(values.mean()), "stderr": float(values.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0}
+
+
 def widths_parents(widths: list[int]) -> list[int]:
     """Children per node at each depth -> parent array (every node of a depth has the same number of children)."""
     parents, level = [], [-1]
@@ -89,14 +95,12 @@ def summarise_trees(rows: list[dict], temps: list[float]) -> dict:
     out = {}
     for temp in temps:
         vals = {c: np.array([r[temp][c] for r in rows]) for c in TREE_COLUMNS}
-        n = len(rows)
-        cell = {c: {"mean": float(v.mean()), "stderr": float(v.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0}
-                for c, v in vals.items()}
+        cell = {c: _mean_stderr(v) for c, v in vals.items()}
         se = np.array([r[temp]["traversal_stderr"] for r in rows])
         # a position's traversal value is a sampled mean: count it above the bound only by 3 of its standard errors
         cell["positions_traversal_above_node_local_bound_3se"] = int(np.sum(
             vals["traversal"] - vals["node_local_bound"] > 3 * se))
-        cell["positions"] = n
+        cell["positions"] = len(rows)
         out[f"T={temp}"] = cell
     return out
 
@@ -107,9 +111,7 @@ def summarise(rows: list[dict], temps: list[float], depths: list[int]) -> dict:
     for temp in temps:
         for d in depths:
             vals = {c: np.array([r[temp][d][c] for r in rows]) for c in COLUMNS}
-            n = len(rows)
-            cell = {c: {"mean": float(v.mean()), "stderr": float(v.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0}
-                    for c, v in vals.items()}
+            cell = {c: _mean_stderr(v) for c, v in vals.items()}
             cell["block_over_bound"] = float(vals["block"].mean() / vals["bound"].mean())
             cell["token_over_bound"] = float(vals["token"].mean() / vals["bound"].mean())
             cell["positions_block_below_token"] = int(np.sum(vals["block_minus_token"] < 0))

@@ -87,6 +87,22 @@ def check_distributions(
     return p_arr, q_arr
 
 
+def check_int(value: Any, name: str, minimum: int = 1) -> int:
+    """Validate an integer argument ``name`` that must be at least ``minimum``.
+
+    Examples
+    --------
+    >>> check_int(7, "depth")
+    7
+    """
+    kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be {kind} ({name} >= {minimum}), got {int(value)}")
+    return int(value)
+
+
 def check_n(n: Any) -> int:
     """Validate the number of drafted children ``n`` (a positive integer).
 
@@ -95,11 +111,7 @@ def check_n(n: Any) -> int:
     >>> check_n(3)
     3
     """
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise ValueError(f"n must be a positive integer, got {n!r}")
-    if int(n) < 1:
-        raise ValueError(f"n must be a positive integer (n >= 1), got {int(n)}")
-    return int(n)
+    return check_int(n, "n")
 
 
 def check_sampling(sampling: Any) -> str:

@@ -35,12 +35,10 @@ Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Dec
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._validation import check_count, check_distributions
+from ._validation import check_count, check_distributions, check_int
 from .trees import (
     SampledAcceptance,
     check_samples_and_seed,
@@ -64,9 +62,7 @@ MAX_SAMPLED_DEPTH = 4096
 
 
 def _check_depth(depth: object) -> int:
-    if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or int(depth) < 1:
-        raise ValueError(f"depth must be a positive integer (drafts in the chain), got {depth!r}")
-    return int(depth)
+    return check_int(depth, "depth")
 
 
 def _check_verifier(verifier: object, allowed: tuple[str, ...] = CHAIN_VERIFIERS) -> str:

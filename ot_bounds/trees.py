@@ -40,14 +40,13 @@ Weng et al., "Traversal Verification for Speculative Tree Decoding", arXiv:2505.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy import optimize, sparse
 
-from ._validation import check_count, check_distributions
+from ._validation import check_count, check_distributions, check_int
 from .optimal import optimal_acceptance
 from .verifiers import positional_acceptance
 
@@ -91,11 +90,7 @@ class SampledAcceptance:
 
 def check_samples_and_seed(samples: object, seed: object) -> tuple[int, int]:
     """Validate a sample count (an integer >= 2) and a seed (a non-negative integer)."""
-    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or int(samples) < 2:
-        raise ValueError(f"samples must be an integer >= 2, got {samples!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    return int(samples), int(seed)
+    return check_int(samples, "samples", 2), check_int(seed, "seed", 0)
 
 
 def sampled_mean(values: list[NDArray[np.float64]]) -> SampledAcceptance:
@@ -205,9 +200,7 @@ def tree_acceptance_upper_bound(parents: ArrayLike, node_acceptance: ArrayLike) 
     """
     par = check_parents(parents)
     acc = np.asarray(node_acceptance, dtype=np.float64)
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(par.tolist()):
-        children.setdefault(parent, []).append(i)
+    children = _children(par)
     widest = max((len(c) for c in children.values()), default=0)
     if acc.ndim != 1 or acc.size <= widest:
         raise ValueError(f"node_acceptance needs entries for 0..{widest} children, got shape {acc.shape}")
