@@ -46,6 +46,10 @@ VERIFIER_MEANINGS = {
 DRAFT_LAWS = ("iid", "without_replacement", "deterministic", "greedy_draft", "spechub")
 QUANTIZE_MODES = ("int4",)
 TARGET_QUANTIZE_MODES = ("int4", "int8-head")
+#: the line ``--quantize int8-head`` prints on a CPU without an 8-bit dot product (it still runs: same model, slower)
+INT8_HEAD_WITHOUT_VNNI = ("treespec: note: --quantize int8-head on a CPU without VNNI (no avx512_vnni, avx_vnni or "
+                          "amx_int8 flag): oneDNN's int8 product has no dot-product instructions here, and on such a CPU "
+                          "it was measured slower than the float LM head for passes of a few tokens (docs/cli.md)")
 EMBEDDED_GGUF = "embedded-gguf"
 
 #: names of the engine this module calls, imported on first use and read through :func:`_engine` (a test may
@@ -794,6 +798,10 @@ def run_generate(args) -> int:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")
+    from .models.loading import cpu_has_vnni
+
+    if args.quantize == "int8-head" and resolve_cli_device(args).type == "cpu" and not cpu_has_vnni():
+        print(INT8_HEAD_WITHOUT_VNNI, file=sys.stderr, flush=True)
     runner, tokenizer, target = _load_target(args, dtype)
     drafter = _drafter(args, target, tokenizer, dtype)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)

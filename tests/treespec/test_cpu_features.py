@@ -68,3 +68,16 @@ def test_amx_flag_turns_llama_cpp_extra_buffers_off(tmp_path, monkeypatch):
         assert params.use_extra_bufts is (not has_amx) and params.n_gpu_layers == 0
         assert llama_cpp.set_model_params(Params(), extra_buffers=True).use_extra_bufts is True
         assert llama_cpp.set_model_params(Params(), extra_buffers=False).use_extra_bufts is False
+
+
+def test_vnni_flags(tmp_path, monkeypatch):
+    """An 8-bit dot product is any of AVX512-VNNI, AVX-VNNI or AMX's int8 tiles, named on a flags line."""
+    cases = {"fpu avx2 avx512f avx512_vnni": True, "fpu avx2 avx_vnni": True, "fpu avx2 amx_tile amx_int8": True,
+             "fpu sse2 avx avx2 fma": False}
+    for i, (flags, answer) in enumerate(cases.items()):
+        info = tmp_path / f"cpuinfo{i}"
+        info.write_text(f"processor\t: 0\nmodel name\t: avx512_vnni in a name is no flag\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(loading, "CPUINFO", info)
+        assert loading.cpu_has_vnni() is answer, flags
+    monkeypatch.setattr(loading, "CPUINFO", tmp_path / "absent")
+    assert loading.cpu_has_vnni() is False

@@ -43,8 +43,8 @@ CPUINFO = Path("/proc/cpuinfo")
 
 def cpu_flags() -> frozenset[str]:
     """The feature flags of this CPU (the words of every ``flags`` line of :data:`CPUINFO`); empty where the
-    file cannot be read. The one reader of CPU features in treespec: :func:`cpu_supports_bf16` and
-    :func:`cpu_has_amx` ask it."""
+    file cannot be read. The one reader of CPU features in treespec: :func:`cpu_supports_bf16`,
+    :func:`cpu_has_amx` and :func:`cpu_has_vnni` ask it."""
     try:
         text = CPUINFO.read_text()
     except OSError:
@@ -57,6 +57,19 @@ def cpu_has_amx() -> bool:
     """True if this CPU advertises Intel's AMX integer tiles (the ``amx_int8`` flag of :data:`CPUINFO`), the unit
     llama.cpp's AMX matrix product runs on (:func:`treespec.models.llama_cpp.default_extra_buffers`)."""
     return "amx_int8" in cpu_flags()
+
+
+#: the flags of x86's 8-bit integer dot products (AVX512-VNNI, AVX-VNNI, AMX's int8 tiles): without one of them
+#: oneDNN's int8 matrix product (``--quantize int8-head``) runs on plain AVX2: on an AMD EPYC of family 25, model 1
+#: its LM head took 2.4-5.5x the float head's time for a one-token pass, and was faster only from about 8 rows
+#: (benchmarks/results/profile/2026-12-03-c0953d6-int8-head/)
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_has_vnni() -> bool:
+    """True if this CPU advertises an 8-bit integer dot product (one of :data:`VNNI_FLAGS` in :data:`CPUINFO`), the
+    instructions oneDNN's int8 matrix product needs to be fast; False where the file cannot be read."""
+    return not cpu_flags().isdisjoint(VNNI_FLAGS)
 
 
 def cpu_supports_bf16() -> bool:
