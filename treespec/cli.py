@@ -46,10 +46,10 @@ VERIFIER_MEANINGS = {
 DRAFT_LAWS = ("iid", "without_replacement", "deterministic", "greedy_draft", "spechub")
 QUANTIZE_MODES = ("int4",)
 TARGET_QUANTIZE_MODES = ("int4", "int8-head")
-#: the line ``--quantize int8-head`` prints on a CPU without an 8-bit dot product (it still runs: same model, slower)
+#: the line ``--quantize int8-head`` prints on an x86 CPU without an 8-bit dot product (it still decodes as asked)
 INT8_HEAD_WITHOUT_VNNI = ("treespec: note: --quantize int8-head on a CPU without VNNI (no avx512_vnni, avx_vnni or "
                           "amx_int8 flag): oneDNN's int8 product has no dot-product instructions here, and on such a CPU "
-                          "it was measured slower than the float LM head for passes of a few tokens (docs/cli.md)")
+                          "it was measured slower than the float LM head for passes of a few rows (docs/cli.md)")
 EMBEDDED_GGUF = "embedded-gguf"
 
 #: names of the engine this module calls, imported on first use and read through :func:`_engine` (a test may
@@ -798,16 +798,13 @@ def run_generate(args) -> int:
         raise CliInputError(f"--quantize {args.quantize} needs bfloat16 activations (--dtype bfloat16; this run "
                             f"would use {str(dtype).replace('torch.', '')}): torch's int4 CPU kernel runs float32 "
                             f"activations several times slower than the unquantised model")
-    from .models.loading import cpu_has_vnni
-
-    if args.quantize == "int8-head" and resolve_cli_device(args).type == "cpu" and not cpu_has_vnni():
-        print(INT8_HEAD_WITHOUT_VNNI, file=sys.stderr, flush=True)
     runner, tokenizer, target = _load_target(args, dtype)
     drafter = _drafter(args, target, tokenizer, dtype)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
     progress = args.progress = {"prompt_ids": prompt_ids, "token_ids": [], "tokenizer": tokenizer}
     if runner is None:
         runner = _target_runner(target, args.runner, args.quantize)
+    _note_int8_head_without_vnni(args)
     result = generate(runner, prompt_ids, drafter, config, tokenizer=tokenizer,
                       on_tokens=_streamer(args, tokenizer, progress))
     info = _run_info(args, drafter, runner, dtype)
@@ -833,6 +830,15 @@ def _judge(args):
 
     head = JudgeHead.load(DEFAULT_JUDGE if args.judge == "shipped" else args.judge, resolve_cli_device(args))
     return head if args.judge_threshold is None else head.with_threshold(args.judge_threshold)
+
+
+def _note_int8_head_without_vnni(args) -> None:
+    """One line on stderr where ``--quantize int8-head`` runs on an x86 CPU without VNNI (:data:`INT8_HEAD_WITHOUT_VNNI`;
+    silent where the CPU's flags are unknown)."""
+    from .models.loading import cpu_has_vnni
+
+    if args.quantize == "int8-head" and resolve_cli_device(args).type == "cpu" and cpu_has_vnni() is False:
+        print(INT8_HEAD_WITHOUT_VNNI, file=sys.stderr, flush=True)
 
 
 def _load_target(args, dtype):

@@ -71,13 +71,17 @@ def test_amx_flag_turns_llama_cpp_extra_buffers_off(tmp_path, monkeypatch):
 
 
 def test_vnni_flags(tmp_path, monkeypatch):
-    """An 8-bit dot product is any of AVX512-VNNI, AVX-VNNI or AMX's int8 tiles, named on a flags line."""
-    cases = {"fpu avx2 avx512f avx512_vnni": True, "fpu avx2 avx_vnni": True, "fpu avx2 amx_tile amx_int8": True,
-             "fpu sse2 avx avx2 fma": False}
+    """An 8-bit dot product is any of AVX512-VNNI, AVX-VNNI or AMX's int8 tiles, named on an x86 flags line; a CPU whose
+    flags are unknown (no file, or not x86) gets None, not False."""
+    cases = {"fpu sse2 avx2 avx512f avx512_vnni": True, "fpu sse2 avx2 avx_vnni": True,
+             "fpu sse2 avx2 amx_tile amx_int8": True, "fpu sse2 avx avx2 fma": False}
     for i, (flags, answer) in enumerate(cases.items()):
         info = tmp_path / f"cpuinfo{i}"
         info.write_text(f"processor\t: 0\nmodel name\t: avx512_vnni in a name is no flag\nflags\t\t: {flags}\n")
         monkeypatch.setattr(loading, "CPUINFO", info)
         assert loading.cpu_has_vnni() is answer, flags
-    monkeypatch.setattr(loading, "CPUINFO", tmp_path / "absent")
-    assert loading.cpu_has_vnni() is False
+    arm = tmp_path / "arm"  # aarch64 names its features on "Features" lines: unknown, not "no VNNI"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 asimddp\n")
+    for unknown in (arm, tmp_path / "absent"):
+        monkeypatch.setattr(loading, "CPUINFO", unknown)
+        assert loading.cpu_has_vnni() is None

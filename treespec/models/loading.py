@@ -59,17 +59,21 @@ def cpu_has_amx() -> bool:
     return "amx_int8" in cpu_flags()
 
 
-#: the flags of x86's 8-bit integer dot products (AVX512-VNNI, AVX-VNNI, AMX's int8 tiles): without one of them
-#: oneDNN's int8 matrix product (``--quantize int8-head``) runs on plain AVX2: on an AMD EPYC of family 25, model 1
-#: its LM head took 2.4-5.5x the float head's time for a one-token pass, and was faster only from about 8 rows
-#: (benchmarks/results/profile/2026-12-03-c0953d6-int8-head/)
+#: the flags of x86's 8-bit integer dot products (AVX512-VNNI, AVX-VNNI, and AMX's int8 tiles, counted here as VNNI
+#: too): without one of them oneDNN's int8 matrix product (``--quantize int8-head``) runs on plain AVX2. On an AMD EPYC
+#: of family 25, model 1 its LM head took 2.4-5.5x the float head's time for one row, and was faster only from 4
+#: (float32) or 8 (bf16) rows a pass (benchmarks/results/profile/2026-12-03-c0953d6-int8-head/)
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
-def cpu_has_vnni() -> bool:
-    """True if this CPU advertises an 8-bit integer dot product (one of :data:`VNNI_FLAGS` in :data:`CPUINFO`), the
-    instructions oneDNN's int8 matrix product needs to be fast; False where the file cannot be read."""
-    return not cpu_flags().isdisjoint(VNNI_FLAGS)
+def cpu_has_vnni() -> bool | None:
+    """True if this x86 CPU advertises an 8-bit integer dot product (one of :data:`VNNI_FLAGS` on a ``flags`` line of
+    :data:`CPUINFO`), the instructions oneDNN's int8 matrix product needs to be fast; False if it names none; None where
+    that is unknown: the file cannot be read, or it is no x86 CPU's (no ``sse2`` flag; aarch64 lists ``Features``)."""
+    flags = cpu_flags()
+    if "sse2" not in flags:
+        return None
+    return not flags.isdisjoint(VNNI_FLAGS)
 
 
 def cpu_supports_bf16() -> bool:
