@@ -14,6 +14,9 @@ On the embedded Gemma-3-270M and tuning prompts (../shared/data/train, never the
    without the 8-bit head (median of ``--passes``), and the LM head alone on n rows (float32 is the dtype
    ``--dtype auto`` gives on CPUs without native bf16).
 
+The table names the head's activation codes (8 bits, or 7 where oneDNN's int8 kernel adds pairs of products in
+16 saturating bits: :func:`treespec.models.fast.int8_head.activation_levels`).
+
 Writes ``results.json`` and ``table.md`` with provenance under ``benchmarks/results/profile/``. Timings need a
 quiet machine.
 """
@@ -118,11 +121,14 @@ def pass_costs(passes: int) -> list[dict]:
     return rows
 
 
-def render(dist: list[dict], costs: list[dict], prov: dict, args: argparse.Namespace, prompts: int) -> str:
+def render(dist: list[dict], costs: list[dict], prov: dict, args: argparse.Namespace, prompts: int,
+           act_levels: int) -> str:
     lines = [f"# The 8-bit LM head (commit {prov['commit_short']})", "",
              f"- Command: `{prov['command']['shell']}`", f"- Machine: {host_name(prov['machine'])}",
              f"- Embedded Gemma-3-270M, {args.threads} threads; {prompts} tuning prompts, the float32 model's greedy "
-             f"continuation of {args.new_tokens} tokens each (teacher forced).", "",
+             f"continuation of {args.new_tokens} tokens each (teacher forced).",
+             f"- The 8-bit head's activation codes: -{act_levels}..{act_levels} "
+             f"({'8 bits' if act_levels > 63 else '7 bits: this kernel adds pairs of products in 16 bits'}).", "",
              "| target | KL(float32 \\|\\| target), mean | KL, 95th percentile | top-1 agreement with float32 | "
              "positions |", "|---|---|---|---|---|"]
     lines += [f"| {d['target']} | {d['kl_mean']:.5f} | {d['kl_p95']:.5f} | {d['top1_agreement']:.4f} | "
@@ -151,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--passes, --new-tokens and --per-category must be >= 1")
     import torch
 
+    from treespec.models.fast.int8_head import activation_levels
+
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     started = time.time()
@@ -158,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_train_prompts(args.per_category)
     costs = pass_costs(args.passes)
     dist = distances(prompts, args.new_tokens, args.threads)
-    write_json(out / "results.json", {"distance": dist, "pass_costs": costs})
-    (out / "table.md").write_text(render(dist, costs, prov, args, len(prompts)))
+    levels = activation_levels()
+    write_json(out / "results.json", {"distance": dist, "pass_costs": costs, "act_levels": levels})
+    (out / "table.md").write_text(render(dist, costs, prov, args, len(prompts), levels))
     finish(out, started)
     print(out)
     return 0

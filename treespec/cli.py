@@ -49,7 +49,8 @@ TARGET_QUANTIZE_MODES = ("int4", "int8-head")
 #: the line ``--quantize int8-head`` prints on an x86 CPU without an 8-bit dot product (it still decodes as asked)
 INT8_HEAD_WITHOUT_VNNI = ("treespec: note: --quantize int8-head on a CPU without VNNI (no avx512_vnni, avx_vnni or "
                           "amx_int8 flag): oneDNN's int8 product has no dot-product instructions here, and on such a CPU "
-                          "it was measured slower than the float LM head for passes of a few rows (docs/cli.md)")
+                          "it was measured slower than the float LM head for passes of a few rows, with 7-bit "
+                          "activations (docs/cli.md)")
 EMBEDDED_GGUF = "embedded-gguf"
 
 #: names of the engine this module calls, imported on first use and read through :func:`_engine` (a test may

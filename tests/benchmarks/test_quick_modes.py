@@ -292,6 +292,10 @@ def test_profile_int8_head_quick(tmp_path, monkeypatch):
     assert {(c["target"], c["n"]) for c in res["pass_costs"]} == {
         (t, n) for t in ("bf16", "bf16, int8 head", "float32", "float32, int8 head") for n in (1, 2)}
     assert "| float32 | 2 |" in (out / "table.md").read_text()
+    from treespec.models.fast.int8_head import activation_levels
+
+    levels = activation_levels()
+    assert res["act_levels"] == levels and f"activation codes: -{levels}..{levels}" in (out / "table.md").read_text()
 
 
 @needs_prompts

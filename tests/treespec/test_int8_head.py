@@ -1,7 +1,9 @@
 """The opt-in 8-bit LM head (``FastGemmaRunner(quantize="int8-head")``, ``treespec generate --quantize int8-head``).
 
-- oneDNN's int8 product equals the float64 formula of :func:`int8_head_reference` (relative 1e-5); a broken twin
-  (the outlier columns' float32 term dropped) fails the same comparison.
+- oneDNN's int8 product equals the float64 formula of :func:`int8_head_reference` (relative 1e-5); broken twins
+  (the outlier columns' float32 term dropped; full-range activation codes on a kernel whose pair sums saturate)
+  fail the same comparison.
+- The kernel probe agrees with the CPU's flags, and a plan the kernel cannot sum exactly is refused.
 - A row's logits do not depend on the other rows of its pass (per-row activation scales), within float32
   rounding: a tree pass and per-path passes see the same head.
 - The plan keeps the largest activation ranges out of the 8-bit product and smooths the rest as documented.
@@ -20,9 +22,11 @@ import torch
 from treespec.drafting.ngram import NgramConfig, NgramDrafter
 from treespec.generate import GenerationConfig, generate
 from treespec.models.fast import FastGemmaRunner, make_runner
-from treespec.models.fast.int8_head import (Int8Head, activation_codes, calibration_ids, int8_head_logits,
-                                            int8_head_reference, int8_kernel_missing, plan_int8_head,
-                                            quantize_int8_head, weight_codes)
+from treespec.models.fast.int8_head import (FULL_LEVELS, SATURATING_LEVELS, Int8Head, Int8HeadPlan,
+                                            activation_codes, activation_levels, calibration_ids, int8_head_logits,
+                                            int8_head_reference, int8_kernel_missing, int8_pairs_saturate,
+                                            plan_int8_head, quantize_int8_head, weight_codes)
+from treespec.models.loading import cpu_has_vnni
 from treespec.models.tiny import tiny_model
 from treespec.sampling import SamplingConfig
 from treespec.tree import TokenTree
@@ -46,10 +50,11 @@ def random_head(vocab=96, hidden=48, outliers=4, seed=0):
     return weight, act, hidden_states
 
 
-@pytest.mark.parametrize("outliers", [0, 4])
-def test_int8_product_equals_the_formula(outliers):
+@pytest.mark.parametrize("outliers,act_levels", [(0, None), (4, None), (4, 31)])
+def test_int8_product_equals_the_formula(outliers, act_levels):
     weight, act, h = random_head()
-    plan = plan_int8_head(weight, act, outliers=outliers)
+    plan = plan_int8_head(weight, act, outliers=outliers, act_levels=act_levels)
+    assert plan.act_levels == (act_levels or activation_levels())
     head = quantize_int8_head(weight, plan)
     fast, ref = int8_head_logits(h, head).double(), int8_head_reference(h, weight, plan)
     assert fast.shape == (7, 96)
@@ -61,6 +66,38 @@ def test_a_head_without_its_outlier_term_fails_the_comparison():
     plan = plan_int8_head(weight, act, outliers=4)
     head = quantize_int8_head(weight, plan)
     broken = Int8Head(head.packed, head.scales, head.zero_points, head.outlier_weight[:0], head.plan, head.vocab)
+    ref = int8_head_reference(h, weight, plan)
+    assert not torch.allclose(int8_head_logits(h, broken).double(), ref, rtol=1e-5,
+                              atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_kernel_probe_agrees_with_the_cpu_flags():
+    """Without a VNNI flag oneDNN's AVX2 product adds pairs of products in 16 saturating bits; with one (and no
+    ``ONEDNN_MAX_CPU_ISA`` capping the kernel) it sums in 32 bits and activations keep all 8 bits."""
+    import os
+
+    vnni = cpu_has_vnni()
+    if vnni is False:
+        assert int8_pairs_saturate() and activation_levels() == SATURATING_LEVELS
+    elif vnni and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+        assert not int8_pairs_saturate() and activation_levels() == FULL_LEVELS
+    else:
+        pytest.skip(f"cpu_has_vnni() is {vnni}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}")
+
+
+@pytest.mark.skipif(int8_kernel_missing() is not None or not int8_pairs_saturate(),
+                    reason="no int8 kernel, or it sums products in 32 bits")
+def test_full_range_activations_on_a_saturating_kernel_break_the_formula_and_are_refused():
+    """The twin of the probe: codes up to 127 (stored up to 255) through AVX2's 16-bit pair sums are not the
+    formula, and :func:`quantize_int8_head` refuses to build such a head."""
+    weight, act, h = random_head()
+    plan = plan_int8_head(weight, act, outliers=4, act_levels=FULL_LEVELS)
+    with pytest.raises(ValueError, match="sums pairs of products in 16 bits"):
+        quantize_int8_head(weight, plan)
+    safe = quantize_int8_head(weight, Int8HeadPlan(plan.outliers, plan.kept, plan.smooth, SATURATING_LEVELS))
+    codes, _ = weight_codes(weight, plan)  # the same weight codes whatever the activation levels
+    broken = Int8Head(torch.ops.onednn.qlinear_prepack(codes, [1, codes.shape[1]]), safe.scales, safe.zero_points,
+                      safe.outlier_weight, plan, safe.vocab)
     ref = int8_head_reference(h, weight, plan)
     assert not torch.allclose(int8_head_logits(h, broken).double(), ref, rtol=1e-5,
                               atol=1e-5 * ref.abs().max().item())
@@ -88,7 +125,8 @@ def test_a_row_does_not_depend_on_the_other_rows():
 
 
 def test_codes_rebuild_the_smoothed_weights_and_activations_within_half_a_step():
-    """The codes on their own: within -127..127, each row using its full range, and codes x scale / smoothing
+    """The codes on their own: weights within -127..127 and activations within -L..L (the plan's
+    ``act_levels``), each row using its full range, and codes x scale / smoothing
     giving back ``W[:, K]`` and ``h[:, K]`` to half a step (so the smoothing is undone on the side it was put on)."""
     weight, act, h = random_head()
     plan = plan_int8_head(weight, act)
@@ -98,9 +136,9 @@ def test_codes_rebuild_the_smoothed_weights_and_activations_within_half_a_step()
     back = codes.float() * c[:, None] / plan.smooth
     assert ((back - weight[:, plan.kept]).abs() <= (c[:, None] / plan.smooth) * 0.5 + 1e-7).all()
     xcodes, row_range = activation_codes(h, plan)
-    step = row_range / 127 * plan.smooth  # [R, H - k]
+    step = row_range / plan.act_levels * plan.smooth  # [R, H - k]
     assert ((xcodes * step - h[:, plan.kept]).abs() <= step * 0.5 + 1e-6).all()
-    assert torch.equal(xcodes.abs().amax(1), torch.full((h.shape[0],), 127.0))
+    assert torch.equal(xcodes.abs().amax(1), torch.full((h.shape[0],), float(plan.act_levels)))
 
 
 def test_an_all_zero_row_gives_zero_logits_not_nan():
@@ -120,6 +158,9 @@ def test_the_plan_keeps_the_largest_ranges_in_float32_and_smooths_the_rest():
         plan_int8_head(weight, act[:5])
     with pytest.raises(ValueError, match="outliers must be in"):
         plan_int8_head(weight, act, outliers=48)
+    for levels in (0, 128):
+        with pytest.raises(ValueError, match=f"act_levels must be in 1..127, got {levels}"):
+            plan_int8_head(weight, act, act_levels=levels)
 
 
 def test_calibration_ids_are_seeded():

@@ -14,9 +14,17 @@ with
   their columns stay in float32;
 * ``K``: the other dimensions, smoothed (``x = h[:, K] / m``, ``W[:, K] * m`` with
   ``m_j = (a_j / w_j) ** alpha`` for activation range ``a_j`` and weight range ``w_j``, SmoothQuant, arXiv
-  2211.10438) and quantised symmetrically: activations per row (``s[r] = max_j |x[r, j]| / 127``, so a row's
-  logits do not depend on the other rows of its pass), weights per vocabulary row (``c[v] = max_j |W'[v, j]| /
-  127``, ``code`` in -127..127).
+  2211.10438) and quantised symmetrically: activations per row (``s[r] = max_j |x[r, j]| / L``, codes in -L..L,
+  so a row's logits do not depend on the other rows of its pass), weights per vocabulary row (``c[v] = max_j
+  |W'[v, j]| / 127``, ``code`` in -127..127).
+
+``L`` (the plan's ``act_levels``) is 127 where oneDNN's kernel sums each product in 32 bits (VNNI's and AMX's
+dot products), and 63 where it does not: AVX2's ``u8 x s8`` instruction adds two products into a saturating
+16-bit lane, and with activations stored as ``code + L + 1`` in 0..255 two products of 255 x 127 exceed 32767.
+With ``L = 63`` every pair stays within 2 x 127 x 127 = 32258 and the sums are exact again (7-bit activations;
+on Gemma-3-270M KL(float32 || head) grew from 0.00056 to 0.00141). :func:`int8_pairs_saturate` asks the kernel
+itself, once, so that a CPU flag or ``ONEDNN_MAX_CPU_ISA`` cannot mislead it; the head is thus another model on
+such CPUs, and speculative decoding is lossless with respect to the one it runs.
 
 The activation ranges come from the model itself, without data: the final hidden states of
 ``CALIBRATION_TOKENS`` seeded random token ids. A quantised head makes another model; speculative decoding is
@@ -28,6 +36,7 @@ beside the whole GGUF model in llama.cpp (8-bit activations in every product), i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +55,8 @@ INT8_OPS = ("qlinear_prepack", "qlinear_pointwise")
 #: rows per float32 product of the outlier columns: every product has this shape (zero rows padded), so a row's
 #: value does not depend on how many rows its pass has (a product of another shape may sum in another order)
 OUTLIER_BLOCK = 8
-_ZERO_POINT = 128  # uint8 activations: code + 128
+#: the largest activation code: where the kernel sums in 32 bits, and where its pair sums saturate 16 bits
+FULL_LEVELS, SATURATING_LEVELS = 127, 63
 _TINY = 1e-30  # the least range a row is divided by (an all-zero row gives zero codes, not NaN)
 
 
@@ -61,20 +71,52 @@ def int8_kernel_missing() -> str | None:
     return None
 
 
+@functools.cache
+def int8_pairs_saturate() -> bool:
+    """Whether oneDNN's int8 product on this machine loses a product of full-range activation codes, found by
+    one worst case (every activation code 127, so stored as 255, against weight codes of 127 and of -127): True
+    on AVX2's 16-bit pair sums, False where products are summed in 32 bits. Raises ValueError without the
+    kernel."""
+    missing = int8_kernel_missing()
+    if missing:
+        raise ValueError(f"cannot probe the int8 product: {missing}")
+    hidden, vocab = 64, 16
+    codes = torch.full((vocab, hidden), 127, dtype=torch.int8)
+    codes[vocab // 2:] = -127
+    packed = torch.ops.onednn.qlinear_prepack(codes, [1, hidden])
+    x = torch.full((8, hidden), 2 * FULL_LEVELS + 1, dtype=torch.uint8)  # [8, H]: code 127 + zero point 128
+    out = _qlinear(x, FULL_LEVELS, packed, torch.ones(vocab), torch.zeros(vocab, dtype=torch.long))  # [8, V]
+    exact = codes.double().sum(1)  # [V]: (127 x 127 or -127) x H / 127, i.e. +-127 H
+    # a saturated sum is off by about half; float32 rounding of the scales by a few parts in 1e7
+    return not torch.allclose(out.double(), exact.expand(8, vocab), rtol=1e-3, atol=0)
+
+
+def activation_levels() -> int:
+    """The largest activation code whose products this machine's int8 kernel sums exactly (module docs)."""
+    return SATURATING_LEVELS if int8_pairs_saturate() else FULL_LEVELS
+
+
 @dataclass(frozen=True)
 class Int8HeadPlan:
     """Which columns stay in float32 and how the others are smoothed: ``outliers`` ``[k]`` and ``kept``
-    ``[H - k]`` column indices (ascending), ``smooth`` ``[H - k]`` float32 (``m`` in the module docs)."""
+    ``[H - k]`` column indices (ascending), ``smooth`` ``[H - k]`` float32 (``m`` in the module docs), and
+    ``act_levels``, the largest activation code (``L``)."""
 
     outliers: torch.Tensor
     kept: torch.Tensor
     smooth: torch.Tensor
+    act_levels: int = FULL_LEVELS
 
 
 def plan_int8_head(weight: torch.Tensor, act_range: torch.Tensor, outliers: int = OUTLIERS,
-                   alpha: float = ALPHA) -> Int8HeadPlan:
-    """The plan for a ``[V, H]`` head ``weight`` from ``act_range`` ``[H]`` (max |activation| per dimension)."""
+                   alpha: float = ALPHA, act_levels: int | None = None) -> Int8HeadPlan:
+    """The plan for a ``[V, H]`` head ``weight`` from ``act_range`` ``[H]`` (max |activation| per dimension);
+    ``act_levels`` None takes :func:`activation_levels` (the kernel is probed), else 1..127."""
     hidden = weight.shape[1]
+    if act_levels is None:
+        act_levels = activation_levels()
+    if not 1 <= act_levels <= FULL_LEVELS:
+        raise ValueError(f"act_levels must be in 1..{FULL_LEVELS}, got {act_levels}")
     if act_range.shape != (hidden,):
         raise ValueError(f"act_range has shape {tuple(act_range.shape)}; expected ({hidden},)")
     if not 0 <= outliers < hidden:
@@ -86,7 +128,7 @@ def plan_int8_head(weight: torch.Tensor, act_range: torch.Tensor, outliers: int 
     kept = keep.nonzero().squeeze(1)
     w_range = weight.detach().abs().amax(0).float().cpu()[kept]
     smooth = (act[kept].clamp_min(1e-6) / w_range.clamp_min(1e-6)) ** alpha  # [H - k]
-    return Int8HeadPlan(out_idx, kept, smooth)
+    return Int8HeadPlan(out_idx, kept, smooth, int(act_levels))
 
 
 @dataclass(frozen=True)
@@ -111,12 +153,16 @@ def weight_codes(weight: torch.Tensor, plan: Int8HeadPlan) -> tuple[torch.Tensor
 
 def quantize_int8_head(weight: torch.Tensor, plan: Int8HeadPlan) -> Int8Head:
     """``weight`` ``[V, H]`` (CPU) on 8-bit codes per :func:`plan_int8_head`'s plan. Raises ValueError where this
-    torch lacks the kernel or the weight is not on the CPU."""
+    torch lacks the kernel, the weight is not on the CPU, or the plan's activation codes exceed what this
+    machine's kernel sums exactly."""
     missing = int8_kernel_missing()
     if missing:
         raise ValueError(f"cannot build an int8 LM head: {missing}")
     if weight.device.type != "cpu":
         raise ValueError(f"the int8 LM head runs on oneDNN's CPU kernel; the weight is on {weight.device}")
+    if plan.act_levels > activation_levels():
+        raise ValueError(f"the plan's activation codes reach {plan.act_levels}, but this CPU's int8 kernel sums "
+                         f"pairs of products in 16 bits (no VNNI), exact only up to {SATURATING_LEVELS}")
     codes, scales = weight_codes(weight, plan)
     packed = torch.ops.onednn.qlinear_prepack(codes, [1, codes.shape[1]])
     outlier_weight = weight.detach().float()[:, plan.outliers].t().contiguous()  # [k, V]
@@ -125,24 +171,32 @@ def quantize_int8_head(weight: torch.Tensor, plan: Int8HeadPlan) -> Int8Head:
 
 
 def activation_codes(hidden: torch.Tensor, plan: Int8HeadPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden`` ``[R, H]`` -> (codes ``[R, H - k]`` float32 in -127..127, row ranges ``[R, 1]`` = 127 s)."""
+    """``hidden`` ``[R, H]`` -> (codes ``[R, H - k]`` float32 in -L..L, row ranges ``[R, 1]`` = L s), ``L`` the
+    plan's ``act_levels``."""
     x = hidden.float()[:, plan.kept] / plan.smooth  # [R, H - k]
     rng = x.abs().amax(1, keepdim=True).clamp_min(_TINY)  # [R, 1]
-    return torch.round(x * (127 / rng)), rng
+    return torch.round(x * (plan.act_levels / rng)), rng
 
 
 def int8_head_logits(hidden: torch.Tensor, head: Int8Head) -> torch.Tensor:
     """float32 logits ``[R, V]`` of ``hidden`` ``[R, H]`` through ``head`` (formula in the module docs)."""
+    levels = head.plan.act_levels
     codes, rng = activation_codes(hidden, head.plan)
-    x_u8 = (codes + _ZERO_POINT).to(torch.uint8)  # [R, H - k]
+    x_u8 = (codes + (levels + 1)).to(torch.uint8)  # [R, H - k]: 1..2 L + 1
     # padded to MIN_ROWS: oneDNN's 1- and 2-row int8 products round otherwise on an AMX Xeon
-    out = torch.ops.onednn.qlinear_pointwise(pad_rows(x_u8, _ZERO_POINT), 1.0 / 127, _ZERO_POINT, head.packed,
-                                             head.scales, head.zero_points, None, 1.0, 0, torch.float32, "none", [],
-                                             "")
+    out = _qlinear(pad_rows(x_u8, levels + 1), levels, head.packed, head.scales, head.zero_points)
     out = out[:x_u8.shape[0]].mul_(rng)  # [R, V]
     if head.outlier_weight.shape[0]:
         out += _outlier_term(hidden.float()[:, head.plan.outliers], head.outlier_weight)
     return out
+
+
+def _qlinear(x_u8: torch.Tensor, levels: int, packed: torch.Tensor, scales: torch.Tensor,
+             zero_points: torch.Tensor) -> torch.Tensor:
+    """oneDNN's product of activations stored as ``code + levels + 1`` (``[R, in]`` uint8, dequantised as
+    ``code / levels``) with packed int8 weights of per-row ``scales``: float32 ``[R, V]``."""
+    return torch.ops.onednn.qlinear_pointwise(x_u8, 1.0 / levels, levels + 1, packed, scales, zero_points, None,
+                                              1.0, 0, torch.float32, "none", [], "")
 
 
 def _outlier_term(h_out: torch.Tensor, outlier_weight: torch.Tensor) -> torch.Tensor:
@@ -162,10 +216,11 @@ def int8_head_reference(hidden: torch.Tensor, weight: torch.Tensor, plan: Int8He
     w_kept = w[:, k] * m  # [V, H - k]: W[:, K] * m
     c = torch.clamp(w_kept.abs().amax(1) / 127, min=_TINY)  # [V]
     code_w = torch.clamp(torch.round(w_kept / c[:, None]), -127, 127)
+    levels = plan.act_levels
     x = hidden.float()[:, k] / m  # [R, H - k]
-    row_range = torch.clamp(x.abs().amax(1), min=_TINY)  # [R]: 127 s
-    code_x = torch.round(x * (127 / row_range[:, None]))
-    main = (code_x.double() @ code_w.double().t()) * (row_range.double()[:, None] / 127) * c.double()[None, :]
+    row_range = torch.clamp(x.abs().amax(1), min=_TINY)  # [R]: L s
+    code_x = torch.round(x * (levels / row_range[:, None]))
+    main = (code_x.double() @ code_w.double().t()) * (row_range.double()[:, None] / levels) * c.double()[None, :]
     o = plan.outliers
     return main + hidden.double()[:, o] @ weight.detach().double()[:, o].t()
 
