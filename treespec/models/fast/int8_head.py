@@ -21,8 +21,8 @@ with
 ``L`` (the plan's ``act_levels``) is 127 where oneDNN's kernel sums each product in 32 bits (VNNI's and AMX's
 dot products), and 63 where it does not: AVX2's ``u8 x s8`` instruction adds two products into a saturating
 16-bit lane, and with activations stored as ``code + L + 1`` in 0..255 two products of 255 x 127 exceed 32767.
-With ``L = 63`` every pair stays within 2 x 127 x 127 = 32258 and the sums are exact again (7-bit activations;
-on Gemma-3-270M KL(float32 || head) grew from 0.00056 to 0.00141). :func:`int8_pairs_saturate` asks the kernel
+With ``L = 63`` every pair stays within 2 x 127 x 127 = 32258 and the sums are exact again (7-bit activations:
+docs/results.md has what they cost on Gemma-3-270M). :func:`int8_pairs_saturate` asks the kernel
 itself, once, so that a CPU flag or ``ONEDNN_MAX_CPU_ISA`` cannot mislead it; the head is thus another model on
 such CPUs, and speculative decoding is lossless with respect to the one it runs.
 
